@@ -1,0 +1,181 @@
+"""The spec as plain eager PyTorch: per-row losses, the user-level ops, and the mHC coefficients.
+
+Everything is autograd-friendly and computes in max(fp32, input dtype) from the logits on, so
+float64 inputs stay float64 (gradcheck). Ignored rows give exactly 0 and a zero gradient.
+Inputs are assumed valid: the registry checks them before any backend runs.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32, or float64 when any input is float64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _valid_rows(labels, ignore_index, n_rows, device):
+    if labels is None:
+        return torch.ones(n_rows, dtype=torch.bool, device=device)
+    return labels != ignore_index
+
+
+# ---------------------------------------------------------------- per-row losses from logits
+
+
+def ce_rows(logits, target, *, ignore_index=-100, label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
+    """Cross-entropy per row of logits [C, V]: (1-eps)(lse - z_y) + eps(lse - mean z) + scale * lse^2."""
+    z = logits.to(compute_dtype(logits))
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = target != ignore_index
+    lse = torch.logsumexp(z, dim=-1)
+    z_target = z.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    loss = (1.0 - label_smoothing) * (lse - z_target)
+    if label_smoothing != 0.0:
+        loss = loss + label_smoothing * (lse - z.mean(dim=-1))
+    if lse_square_scale != 0.0:
+        loss = loss + lse_square_scale * lse.square()
+    return torch.where(valid, loss, 0.0)
+
+
+def jsd_rows(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0):
+    """Generalized JSD per row; beta=0 is KL(p||q), beta=1 is KL(q||p) (q student, p teacher)."""
+    dtype = compute_dtype(student_logits, teacher_logits)
+    log_q = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
+    if beta == 0.0:
+        loss = _kl(log_p, log_q)
+    elif beta == 1.0:
+        loss = _kl(log_q, log_p)
+    else:
+        # log m = log(beta p + (1-beta) q) without leaving log space
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+        loss = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
+    valid = _valid_rows(labels, ignore_index, loss.shape[0], loss.device)
+    return torch.where(valid, loss, 0.0)
+
+
+def _kl(log_a, log_b):
+    """KL(a||b) per row from finite log-probabilities."""
+    return (log_a.exp() * (log_a - log_b)).sum(dim=-1)
+
+
+def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False):
+    """KL(target || softmax(student/T)) per row; target entries equal to 0 contribute 0.
+
+    Probabilities: log q = log(max(q, eps)). Log-probabilities (log_target): q = exp(target) and
+    log q = target itself, eps unused (as torch.nn.functional.kl_div(log_target=True)).
+    """
+    dtype = compute_dtype(student_logits, target)
+    log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    target = target.detach().to(dtype)
+    if log_target:
+        q, log_q = target.exp(), target
+    else:
+        q, log_q = target, torch.log(target.clamp_min(eps))
+    q_log_q = torch.where(q > 0, q * log_q, 0.0)  # also keeps eps=0 and log_target=-inf finite
+    loss = (q_log_q - q * log_s).sum(dim=-1)
+    valid = _valid_rows(labels, ignore_index, loss.shape[0], loss.device)
+    return torch.where(valid, loss, 0.0)
+
+
+# ---------------------------------------------------------------- user-level eager ops
+
+
+def _mean_over_valid(total, valid, per_row_count=1):
+    return total / (valid.sum() * per_row_count).clamp_min(1)
+
+
+def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+         softcap=None, lse_square_scale=0.0):
+    logits = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+    flat_target = target.reshape(-1)
+    rows = ce_rows(logits, flat_target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                   softcap=softcap, lse_square_scale=lse_square_scale)
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    if reduction == "sum":
+        return rows.sum()
+    if reduction == "mean":
+        return _mean_over_valid(rows.sum(), flat_target != ignore_index)
+    raise ValueError(f"flce: unknown reduction {reduction!r}")
+
+
+fused_linear_cross_entropy = flce
+
+
+def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
+                     jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False):
+    hidden = student_input.shape[-1]
+    student_logits = student_input.reshape(-1, hidden) @ student_weight.T
+    with torch.no_grad():
+        teacher_logits = teacher_input.reshape(-1, teacher_input.shape[-1]) @ teacher_weight.T
+    labels = None if shift_labels is None else shift_labels.reshape(-1)
+    rows = jsd_rows(student_logits, teacher_logits, labels, beta=jsd_beta, ignore_index=ignore_index,
+                    temperature=temperature)
+    loss = _mean_over_valid(rows.sum(), _valid_rows(labels, ignore_index, rows.shape[0], rows.device))
+    return loss * temperature**2 if scale_by_temperature_squared else loss
+
+
+def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
+                        ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False):
+    student_logits = student_input.reshape(-1, student_input.shape[-1]) @ student_weight.T
+    vocab = student_logits.shape[-1]
+    labels = None if shift_labels is None else shift_labels.reshape(-1)
+    rows = kl_div_rows(student_logits, target.reshape(-1, vocab), labels, ignore_index=ignore_index,
+                       temperature=temperature, eps=eps, log_target=log_target)
+    valid = _valid_rows(labels, ignore_index, rows.shape[0], rows.device)
+    if reduction == "batchmean":
+        return _mean_over_valid(rows.sum(), valid)
+    if reduction == "mean":
+        return _mean_over_valid(rows.sum(), valid, per_row_count=vocab)
+    if reduction == "sum":
+        return rows.sum()
+    raise ValueError(f"fused_linear_kl_div: unknown reduction {reduction!r} (\"none\" is not supported)")
+
+
+# ---------------------------------------------------------------- mHC coefficients
+
+
+def mhc_mix(x, phi, *, rms_eps=1e-6):
+    """x [M, K] -> (mix [M, n], rstd [M]): mix = (x @ phi) * rsqrt(mean(x^2) + rms_eps), all in fp32 or wider."""
+    dtype = compute_dtype(x, phi)
+    x = x.to(dtype)
+    rstd = torch.rsqrt(x.square().mean(dim=-1) + rms_eps)
+    return (x @ phi.to(dtype)) * rstd.unsqueeze(-1), rstd
+
+
+def mhc_coeffs_from_mix(mix, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, pre_eps=0.0,
+                        sinkhorn_eps=1e-6, post_mult=2.0):
+    """mix [M, n] -> (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc])."""
+    h_pre = torch.sigmoid(mix[:, :hc] * alpha_pre + b[:hc]) + pre_eps
+    h_post = torch.sigmoid(mix[:, hc:2 * hc] * alpha_post + b[hc:2 * hc]) * post_mult
+    logits = (mix[:, 2 * hc:] * alpha_res + b[2 * hc:]).reshape(-1, hc, hc)
+    h_res = sinkhorn(logits, tmax=tmax, eps=sinkhorn_eps)
+    return h_pre, h_post, h_res
+
+
+def sinkhorn(logits, *, tmax, eps):
+    """Row softmax + eps, normalize columns, then tmax-1 rounds of rows-then-columns normalization."""
+    p = torch.softmax(logits, dim=-1) + eps
+    p = p / (p.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(tmax - 1):
+        p = p / (p.sum(dim=-1, keepdim=True) + eps)
+        p = p / (p.sum(dim=-2, keepdim=True) + eps)
+    return p
+
+
+def mhc_coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
+               sinkhorn_eps=1e-6, post_mult=2.0):
+    """x [..., HC, C] -> (h_pre [..., HC], h_post [..., HC], h_res [..., HC, HC]) in fp32 (float64 stays)."""
+    *lead, hc, channels = x.shape
+    mix, _ = mhc_mix(x.reshape(-1, hc * channels), phi, rms_eps=rms_eps)
+    h_pre, h_post, h_res = mhc_coeffs_from_mix(mix, b, alpha_pre, alpha_post, alpha_res, hc=hc, tmax=tmax,
+                                               pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)
+    return h_pre.reshape(*lead, hc), h_post.reshape(*lead, hc), h_res.reshape(*lead, hc, hc)
