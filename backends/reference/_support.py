@@ -1,0 +1,23 @@
+"""What the reference kernel-level ops share: per-row losses and their gradient through autograd."""
+
+import torch
+
+from .formulas import compute_dtype
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def rows_and_grad_in_place(logits, rows_fn, grad_scale):
+    """Per-row loss of `rows_fn` on a widened copy of logits; logits is overwritten with grad_scale * d loss_i / d logits_i.
+
+    Returns the unscaled per-row loss in fp32 (float64 for float64 logits).
+    """
+    with torch.enable_grad():
+        z = logits.detach().to(compute_dtype(logits), copy=True).requires_grad_()
+        rows = rows_fn(z)
+        # rows_i depends on row i only, so a vector-Jacobian product with grad_scale scales each row
+        scale = torch.ones_like(rows) if grad_scale is None else grad_scale.to(rows.dtype).expand_as(rows)
+        (grad,) = torch.autograd.grad(rows, z, grad_outputs=scale)
+    with torch.no_grad():
+        logits.copy_(grad)
+    return rows.detach()
