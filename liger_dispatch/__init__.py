@@ -1,0 +1,29 @@
+"""liger-dispatch: one abstract op, several backends (Triton, CuTeDSL, Helion, eager PyTorch reference),
+selected per call by the inputs' device, compute capability and dtype.
+
+    from liger_dispatch import dispatch
+    loss = dispatch.op("flce")(x, lm_head.weight, labels)
+"""
+
+from liger_dispatch import dispatch
+from liger_dispatch.capability import Capability
+from liger_dispatch.dispatch import available_backends, op, registered_backends
+from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, InputError, LigerDispatchError,
+                                   UnknownBackendError, UnknownOpError)
+from liger_dispatch.selection import use_backend
+from liger_dispatch.table import declare_op_locations, register_backend
+from liger_dispatch import registry  # noqa: E402  (declares every op; imports no backend)
+
+__all__ = [
+    "dispatch", "op", "available_backends", "registered_backends", "use_backend", "register_backend",
+    "declare_op_locations", "Capability", "LigerDispatchError", "UnknownOpError", "UnknownBackendError",
+    "BackendUnavailableError", "InputError", "FallbackWarning", "nn",
+]
+
+
+def __getattr__(name):
+    if name == "nn":  # modules import torch.nn; keep `import liger_dispatch` light
+        import importlib
+
+        return importlib.import_module("liger_dispatch.nn")
+    raise AttributeError(f"module 'liger_dispatch' has no attribute {name!r}")

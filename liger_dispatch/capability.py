@@ -1,0 +1,75 @@
+"""What a backend implementation can serve, checked against the tensors of each call."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+_CC_CACHE: dict[int, tuple[int, int]] = {}
+
+
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """Compute capability of a CUDA device (cached), None for other device types."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _CC_CACHE.get(index)
+    if cc is None:
+        cc = _CC_CACHE[index] = torch.cuda.get_device_capability(index)
+    return cc
+
+
+def _module_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """Where an implementation runs.
+
+    devices: device types it accepts ("cuda", "cpu", ...); empty means any.
+    min_cc / max_cc: compute-capability bounds for CUDA inputs, read off the inputs' own device.
+    dtypes: accepted dtypes of every floating-point tensor argument; None means any.
+    modules: importable modules it needs.
+    predicate: called with the op's arguments; returns a reason string when the call is out of
+        reach (a shape limit, say), None when it can serve. Evaluated per call, never memoized.
+    """
+
+    devices: Sequence[str] = ()
+    min_cc: Optional[tuple[int, int]] = None
+    max_cc: Optional[tuple[int, int]] = None
+    dtypes: Optional[Sequence[torch.dtype]] = None
+    modules: Sequence[str] = ()
+    predicate: Optional[Callable[..., Optional[str]]] = field(default=None, compare=False)
+
+    def static_reason(self, device: torch.device, dtypes: Sequence[torch.dtype]) -> Optional[str]:
+        """Why this capability rejects calls on `device` with these floating dtypes, or None."""
+        if self.devices and device.type not in self.devices:
+            if device.type == "cpu" and "cuda" in self.devices:
+                return f"needs a CUDA device, got {device.type} tensors"
+            return f"needs a {'/'.join(self.devices)} device, got {device.type} tensors"
+        cc = device_capability(device)
+        if cc is not None:
+            if self.min_cc is not None and cc < tuple(self.min_cc):
+                return f"needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}, device has {cc[0]}.{cc[1]}"
+            if self.max_cc is not None and cc > tuple(self.max_cc):
+                return f"needs compute capability <= {self.max_cc[0]}.{self.max_cc[1]}, device has {cc[0]}.{cc[1]}"
+        if self.dtypes is not None:
+            for dtype in dtypes:
+                if dtype not in self.dtypes:
+                    accepted = ", ".join(_dtype_name(d) for d in self.dtypes)
+                    return f"does not support {_dtype_name(dtype)} (supports {accepted})"
+        for module in self.modules:
+            if _module_missing(module):
+                return f"module '{module}' is not installed"
+        return None

@@ -1,0 +1,254 @@
+"""The shared fused-linear composition every backend reuses.
+
+Per chunk of rows: logits = x_c @ W.T (+ bias) by cuBLAS into one reused buffer; the backend's
+kernel-level op turns that buffer into d(loss)/d(logits) in place and returns the per-row loss;
+then dX_c = G @ W and dW += G.T @ x_c (addmm in place). The gradient is produced in the forward pass
+for scalar reductions; reduction="none" recomputes in the backward with the per-row grad_output.
+
+The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
+default 256), so a small batch runs as one chunk instead of being cut into a fixed count of
+launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional
+
+import torch
+
+DEFAULT_BUDGET_MB = 256
+ROW_ALIGN = 64
+
+
+def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
+    """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
+    forced = os.environ.get("LIGER_CHUNK_ROWS")
+    if forced:
+        return max(1, min(int(forced), n_rows))
+    budget = float(os.environ.get("LIGER_CHUNK_BUDGET_MB", DEFAULT_BUDGET_MB)) * 2**20
+    limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
+    if n_rows <= limit:
+        return max(n_rows, 1)
+    n_chunks = math.ceil(n_rows / limit)
+    return math.ceil(math.ceil(n_rows / n_chunks) / ROW_ALIGN) * ROW_ALIGN
+
+
+class _WeightGrad:
+    """dW accumulated over chunks: the first chunk writes, the next ones addmm in place."""
+
+    def __init__(self, weight: torch.Tensor, accum_dtype: Optional[torch.dtype]):
+        self.dtype = accum_dtype or weight.dtype
+        self.out_dtype = weight.dtype
+        self.value: Optional[torch.Tensor] = None
+
+    def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
+        g_t = grad_logits.t()
+        if self.dtype == grad_logits.dtype:
+            if self.value is None:
+                self.value = torch.mm(g_t, x)
+            else:
+                self.value.addmm_(g_t, x)
+            return
+        if self.value is None:
+            self.value = torch.zeros(g_t.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
+        if x.is_cuda:
+            torch.addmm(self.value, g_t, x, out_dtype=self.dtype, out=self.value)
+        else:
+            self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
+
+    def result(self) -> Optional[torch.Tensor]:
+        return None if self.value is None else self.value.to(self.out_dtype)
+
+
+def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
+
+
+def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               chunk_loss: Callable[[torch.Tensor, int, int], torch.Tensor], *, extra_buffers: int = 0,
+               extra_itemsize: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
+               accum_dtype: Optional[torch.dtype] = None):
+    """Runs the chunk loop. `chunk_loss(logits, start, end)` overwrites logits with its gradient and
+    returns the per-row loss. Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
+    n, vocab = x.shape[0], weight.shape[0]
+    rows = chunk_rows(n, vocab, x.element_size() + extra_buffers * extra_itemsize)
+    buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
+    dx = torch.empty_like(x) if want_dx else None
+    dw = _WeightGrad(weight, accum_dtype) if want_dw else None
+    db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
+    losses = []
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        logits = buffer[: end - start]
+        x_c = x[start:end]
+        _linear_into(x_c, weight, bias, logits)
+        losses.append(chunk_loss(logits, start, end))
+        if dx is not None:
+            torch.mm(logits, weight, out=dx[start:end])
+        if dw is not None:
+            dw.add(logits, x_c)
+        if db is not None:
+            db += logits.sum(0, dtype=torch.float32)
+    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
+    return loss_rows, dx, (dw.result() if dw is not None else None), db
+
+
+def _valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
+    """Non-ignored rows as an fp32 device scalar, at least 1 (all ignored -> loss 0, not NaN). No sync."""
+    if labels is None:
+        return torch.tensor(float(max(n, 1)), device=device)
+    return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+
+
+def _scale_grads(grad_output: torch.Tensor, *grads):
+    """Multiplies the saved gradients by the incoming scalar grad_output (skipped when it is 1)."""
+    if float(grad_output) == 1.0:  # one sync; saves a full pass over dW in the common case
+        return grads
+    return tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
+
+
+def _flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
+    return t.reshape(-1) if last is None else t.reshape(-1, last)
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """Autograd around run_chunks for a scalar-reduced loss: the gradient is computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, run):  # run(want_dx, want_dw, want_db) -> (loss, dx, dw, db)
+        want = ctx.needs_input_grad
+        loss, dx, dw, db = run(want[0], want[1], want[2] and bias is not None)
+        ctx.input_shape = x.shape
+        ctx.save_for_backward(dx, dw, db)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        dx, dw, db = _scale_grads(grad_output, *ctx.saved_tensors)
+        if dx is not None:
+            dx = dx.view(ctx.input_shape)
+        return dx, dw, db, None
+
+
+def compose_flce(kernel: Callable) -> Callable:
+    """flce from a backend's ce_loss_and_grad."""
+
+    def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+             softcap=None, lse_square_scale=0.0, accum_dtype=None):
+        x = _flat(input, input.shape[-1])
+        labels = _flat(target).long()
+        options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                       lse_square_scale=lse_square_scale)
+        if reduction == "none":
+            return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
+        count = _valid_count(labels, x.shape[0], ignore_index, x.device)
+        scale = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
+
+        def run(want_dx, want_dw, want_db):
+            def chunk_loss(logits, start, end):
+                return kernel(logits, labels[start:end], grad_scale=scale, **options)
+
+            rows, dx, dw, db = run_chunks(x, weight, bias, chunk_loss, want_dx=want_dx, want_dw=want_dw,
+                                          want_db=want_db, accum_dtype=accum_dtype)
+            loss = rows.sum() * scale
+            return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
+
+        return _FusedLinearLoss.apply(input, weight, bias, run)
+
+    return flce
+
+
+class _FlceNoReduction(torch.autograd.Function):
+    """reduction="none": per-row losses forward; the backward recomputes with the per-row grad_output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
+        ones = torch.ones((), device=x.device)
+        rows, _, _, _ = run_chunks(x, weight, bias, lambda logits, s, e: kernel(logits, labels[s:e], grad_scale=ones,
+                                                                                **options),
+                                   want_dx=False, want_dw=False, want_db=False)
+        ctx.save_for_backward(x, weight, bias, labels)
+        ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        x, weight, bias, labels = ctx.saved_tensors
+        scale = grad_rows.reshape(-1).to(torch.float32)
+        want = ctx.needs_input_grad
+        _, dx, dw, db = run_chunks(
+            x, weight, bias, lambda logits, s, e: ctx.kernel(logits, labels[s:e], grad_scale=scale[s:e], **ctx.options),
+            want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
+        return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
+
+
+def compose_jsd(kernel: Callable) -> Callable:
+    """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
+
+    def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
+                         jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
+                         accum_dtype=None):
+        x = _flat(student_input, student_input.shape[-1])
+        xt = _flat(teacher_input, teacher_input.shape[-1]).detach()
+        wt = teacher_weight.detach()
+        labels = None if shift_labels is None else _flat(shift_labels).long()
+        count = _valid_count(labels, x.shape[0], ignore_index, x.device)
+        factor = temperature * temperature if scale_by_temperature_squared else 1.0
+        scale = factor / count
+
+        def run(want_dx, want_dw, want_db):
+            rows = chunk_rows(x.shape[0], student_weight.shape[0], x.element_size() + xt.element_size())
+            teacher = torch.empty(min(rows, x.shape[0]), wt.shape[0], dtype=xt.dtype, device=xt.device)
+
+            def chunk_loss(logits, start, end):
+                t_logits = teacher[: end - start]
+                torch.mm(xt[start:end], wt.t(), out=t_logits)
+                chunk_labels = None if labels is None else labels[start:end]
+                return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
+                              temperature=temperature, grad_scale=scale)
+
+            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, extra_buffers=1,
+                                              extra_itemsize=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
+                                              want_db=False, accum_dtype=accum_dtype)
+            return loss_rows.sum() * scale, dx, dw, None
+
+        return _FusedLinearLoss.apply(student_input, student_weight, None, run)
+
+    return fused_linear_jsd
+
+
+def compose_kl_div(kernel: Callable) -> Callable:
+    """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
+
+    def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
+                            ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
+        x = _flat(student_input, student_input.shape[-1])
+        vocab = student_weight.shape[0]
+        probs = _flat(target, vocab).detach()
+        if probs.stride(-1) != 1:
+            probs = probs.contiguous()
+        labels = None if shift_labels is None else _flat(shift_labels).long()
+        if reduction == "sum":
+            scale = torch.ones((), device=x.device)
+        else:
+            count = _valid_count(labels, x.shape[0], ignore_index, x.device)
+            scale = 1.0 / (count * vocab if reduction == "mean" else count)
+
+        def run(want_dx, want_dw, want_db):
+            def chunk_loss(logits, start, end):
+                chunk_labels = None if labels is None else labels[start:end]
+                return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index,
+                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=scale)
+
+            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, want_dx=want_dx, want_dw=want_dw,
+                                              want_db=False, accum_dtype=accum_dtype)
+            return loss_rows.sum() * scale, dx, dw, None
+
+        return _FusedLinearLoss.apply(student_input, student_weight, None, run)
+
+    return fused_linear_kl_div

@@ -1,0 +1,222 @@
+"""Which implementation serves a call: preferences, capability, fallback, memoization.
+
+Order, first source that is set wins: `backend=` on the handle; `use_backend(...)`;
+LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable).
+A requested backend that cannot serve yields to the next preference and finally to the reference,
+with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError
+from liger_dispatch.table import REFERENCE, TABLE, Impl
+
+_local = threading.local()
+_warned: set[tuple[str, str, str]] = set()
+_memo: dict[tuple, "Resolution"] = {}
+_MEMO_LIMIT = 4096
+
+
+def parse_backends(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v and v.strip())
+
+
+@contextlib.contextmanager
+def use_backend(*backends: str) -> Iterator[None]:
+    """Prefer these backends (in order) for every op called in this thread inside the block."""
+    names = parse_backends(backends[0] if len(backends) == 1 else backends)
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(names)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def env_key(op: str) -> str:
+    return "LIGER_BACKEND_" + "".join(c if c.isalnum() else "_" for c in op.upper())
+
+
+def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(where the preference came from, the backend names), or ("auto", ()) when none is set."""
+    if pinned:
+        return "backend= on the handle", pinned
+    stack = getattr(_local, "stack", None)
+    if stack:
+        return "use_backend()", stack[-1]
+    value = os.environ.get(env_key(op))
+    if value:
+        return env_key(op), parse_backends(value)
+    value = os.environ.get("LIGER_BACKEND")
+    if value:
+        return "LIGER_BACKEND", parse_backends(value)
+    return "auto", ()
+
+
+def strict() -> bool:
+    return os.environ.get("LIGER_STRICT", "") not in ("", "0")
+
+
+def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
+    """The device of the call's tensors and the dtypes of its floating-point tensors."""
+    device = None
+    dtypes: list[torch.dtype] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if device is None:
+                device = value.device
+            if value.is_floating_point() and value.dtype not in dtypes:
+                dtypes.append(value.dtype)
+    return device if device is not None else torch.device("cpu"), tuple(dtypes)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    backend: str
+    variant: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The statically capable implementations in the order they are tried, and what was turned down."""
+
+    op: str
+    source: str
+    requested: tuple[str, ...]
+    chain: tuple[Impl, ...]
+    rejected: tuple[Rejection, ...]
+
+
+def _check_known(names: Sequence[str], source: str) -> None:
+    known = TABLE.backend_names()
+    for name in names:
+        if name not in known:
+            raise UnknownBackendError(
+                f"unknown backend '{name}' (from {source}); registered backends: {', '.join(known)}")
+
+
+def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple) -> Resolution:
+    """The memoizable part of selection: everything that depends only on the call's signature."""
+    source, requested = preference(op, pinned)
+    _check_known(requested, source)
+    candidates = TABLE.candidates(op)
+    rejected: list[Rejection] = []
+    capable: list[Impl] = []
+    for impl in candidates:
+        reason = impl.capability.static_reason(device, dtypes)
+        if reason is None:
+            capable.append(impl)
+        else:
+            rejected.append(Rejection(impl.backend, impl.variant, reason))
+    have = {i.backend for i in candidates}
+    for name in requested or [b for b in TABLE.backend_names() if b != REFERENCE]:
+        if name not in have:
+            rejected.append(Rejection(name, "", TABLE.unavailable_reason(op, name)))
+    if requested:
+        order = [i for name in requested for i in capable if i.backend == name]
+        order += [i for i in capable if i.backend == REFERENCE and i not in order]
+    else:
+        order = [i for i in capable if i.backend != REFERENCE] + [i for i in capable if i.backend == REFERENCE]
+    return Resolution(op, source, requested, tuple(order), tuple(rejected))
+
+
+def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
+    device, dtypes = call_signature(args, kwargs)
+    stack = getattr(_local, "stack", None)
+    key = (op, pinned, stack[-1] if stack else None, os.environ.get(env_key(op)), os.environ.get("LIGER_BACKEND"),
+           TABLE.version, device, dtypes)
+    res = _memo.get(key)
+    if res is None:
+        res = resolve_static(op, pinned, device, dtypes)
+        if len(_memo) >= _MEMO_LIMIT:
+            _memo.clear()
+        _memo[key] = res
+    return res
+
+
+def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
+    """The implementation that serves this call (warning or raising on fallback)."""
+    res = _resolution(op, pinned, args, kwargs)
+    late: list[Rejection] = []
+    chosen = None
+    for impl in res.chain:
+        predicate = impl.capability.predicate
+        reason = predicate(*args, **kwargs) if predicate is not None else None
+        if reason is None:
+            chosen = impl
+            break
+        late.append(Rejection(impl.backend, impl.variant, reason))
+    if chosen is None:
+        raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe([*res.rejected, *late]))
+    if _is_fallback(res, chosen):
+        _fallback(res, chosen, [*res.rejected, *late])
+    return chosen
+
+
+def _is_fallback(res: Resolution, chosen: Impl) -> bool:
+    if res.requested:
+        return chosen.backend != res.requested[0]
+    return chosen.backend == REFERENCE and any(r.backend != REFERENCE for r in res.rejected)
+
+
+def _describe(rejected: Sequence[Rejection]) -> str:
+    return "; ".join(f"{r.backend}: {r.reason}" for r in rejected)
+
+
+def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> None:
+    wanted = res.requested[: res.requested.index(chosen.backend)] if chosen.backend in res.requested else res.requested
+    relevant = [r for r in rejected if (r.backend in wanted if res.requested else r.backend != REFERENCE)]
+    why = _describe(relevant) or "no reason recorded"
+    asked = f"{', '.join(wanted)} (from {res.source})" if res.requested else "no accelerated backend"
+    message = f"liger_dispatch: {res.op}: {asked} cannot serve this call [{why}]; falling back to '{chosen.backend}'"
+    if strict():
+        raise BackendUnavailableError(message + " (LIGER_STRICT=1 forbids falling back)")
+    key = (res.op, ",".join(r.backend for r in relevant), why)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, FallbackWarning, stacklevel=4)
+
+
+def reset() -> None:
+    """Forget memoized resolutions and emitted warnings (tests, or after changing the environment)."""
+    _memo.clear()
+    _warned.clear()
+
+
+def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:
+    """Which implementation would serve this call and why each other one would not; no side effects."""
+    device, dtypes = call_signature(args, kwargs)
+    res = resolve_static(op, pinned, device, dtypes)
+    lines = [f"op {op} on {device} ({', '.join(str(d).replace('torch.', '') for d in dtypes) or 'no float tensors'}); "
+             f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
+    chosen = None
+    for impl in res.chain:
+        predicate = impl.capability.predicate
+        reason = predicate(*args, **kwargs) if predicate is not None else None
+        label = f"{impl.backend} [{impl.variant}]"
+        if reason is not None:
+            lines.append(f"  {label}: cannot serve: {reason}")
+        elif chosen is None:
+            chosen = impl
+            lines.append(f"  {label}: SELECTED (priority {impl.priority})")
+        else:
+            lines.append(f"  {label}: capable, not chosen (after {chosen.backend}, priority {impl.priority})")
+    for r in res.rejected:
+        lines.append(f"  {r.backend}" + (f" [{r.variant}]" if r.variant else "") + f": cannot serve: {r.reason}")
+    if chosen is not None and _is_fallback(res, chosen):
+        lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
+    return chosen, lines

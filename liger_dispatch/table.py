@@ -1,0 +1,212 @@
+"""The op table: declared ops, their backend locations, registered implementations, discovery.
+
+Backend modules are imported lazily, once, the first time an op they serve is resolved; an import
+failure is recorded (and shown by `python -m liger_dispatch`) instead of breaking other backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from liger_dispatch.capability import Capability
+from liger_dispatch.errors import UnknownOpError
+
+REFERENCE = "reference"
+WHOLE_OP = "whole-op"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """An abstract op.
+
+    check: called with the op's own arguments before any backend; raises InputError naming the
+        bad argument. Its signature is the op's signature.
+    composed_of / compose: for user-level ops built from kernel-level ops; every backend that
+        implements all of `composed_of` serves this op through `compose(*kernel_fns)`.
+    """
+
+    name: str
+    level: str  # "user" or "kernel"
+    check: Callable[..., None]
+    aliases: tuple[str, ...] = ()
+    composed_of: tuple[str, ...] = ()
+    compose: Optional[Callable[..., Callable]] = field(default=None, compare=False)
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op by a backend."""
+
+    op: str
+    backend: str
+    fn: Callable = field(compare=False)
+    priority: int
+    capability: Capability
+    variant: str = WHOLE_OP  # or "composed from <kernel ops>"
+
+
+class OpTable:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._ops: dict[str, OpSpec] = {}
+        self._aliases: dict[str, str] = {}
+        self._locations: dict[str, dict[str, str]] = {}
+        self._registered: dict[str, list[Impl]] = {}
+        self._backend_names: dict[str, None] = {REFERENCE: None}  # ordered set
+        self._module_errors: dict[str, Optional[str]] = {}  # module -> None (imported) or why not
+        self._discovered: set[str] = set()
+        self._candidates: dict[str, tuple[Impl, ...]] = {}
+        self._composed: dict[tuple, Impl] = {}
+        self.version = 0  # bumped on every change; resolution memos key on it
+
+    # -- declaring -----------------------------------------------------------------------------
+    def declare_op(self, spec: OpSpec) -> None:
+        with self._lock:
+            self._ops[spec.name] = spec
+            for alias in spec.aliases:
+                self._aliases[alias] = spec.name
+            self._changed()
+
+    def declare_op_locations(self, op: str, locations: dict[str, str]) -> None:
+        with self._lock:
+            name = self.canonical(op)
+            self._locations.setdefault(name, {}).update(locations)
+            for backend in locations:
+                self._backend_names.setdefault(backend, None)
+            self._discovered.discard(name)
+            self._changed()
+
+    def register(self, impl: Impl) -> None:
+        with self._lock:
+            impl = Impl(self.canonical(impl.op), impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
+            impls = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) != (impl.backend, impl.variant)]
+            impls.append(impl)
+            self._registered[impl.op] = impls
+            self._backend_names.setdefault(impl.backend, None)
+            self._changed()
+
+    def _changed(self) -> None:
+        self._candidates.clear()
+        self.version += 1
+
+    # -- looking up ----------------------------------------------------------------------------
+    def canonical(self, op: str) -> str:
+        if op in self._ops:
+            return op
+        name = self._aliases.get(op)
+        if name is None:
+            known = ", ".join(sorted(self._ops))
+            raise UnknownOpError(f"unknown op '{op}'; declared ops: {known}")
+        return name
+
+    def spec(self, op: str) -> OpSpec:
+        return self._ops[self.canonical(op)]
+
+    def op_names(self, level: Optional[str] = None) -> list[str]:
+        return [n for n, s in self._ops.items() if level is None or s.level == level]
+
+    def backend_names(self) -> list[str]:
+        return list(self._backend_names)
+
+    def locations(self, op: str) -> dict[str, str]:
+        return dict(self._locations.get(self.canonical(op), {}))
+
+    # -- discovery -----------------------------------------------------------------------------
+    def discover(self, op: str) -> None:
+        """Import, once, every backend module declared for `op` and for the ops it is composed of."""
+        name = self.canonical(op)
+        if name in self._discovered:
+            return
+        with self._lock:
+            if name in self._discovered:
+                return
+            for needed in (name, *self._ops[name].composed_of):
+                for module in self._locations.get(needed, {}).values():
+                    self._import(module)
+            self._discovered.add(name)
+
+    def _import(self, module: str) -> None:
+        if module in self._module_errors:
+            return
+        self._module_errors[module] = None  # mark first: a module may register while importing
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # any failure of a backend module must not break the others
+            self._module_errors[module] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+    def module_error(self, module: str) -> Optional[str]:
+        return self._module_errors.get(module)
+
+    def unavailable_reason(self, op: str, backend: str) -> str:
+        """Why `backend` has no implementation of `op` (after discovery)."""
+        name = self.canonical(op)
+        spec = self._ops[name]
+        for needed in (name, *spec.composed_of):
+            module = self._locations.get(needed, {}).get(backend)
+            if module and self._module_errors.get(module):
+                return f"{module} failed to import ({self._module_errors[module]})"
+        if spec.composed_of:
+            missing = [k for k in spec.composed_of if not self._impl_of(k, backend)]
+            return f"implements neither {name} nor {', '.join(missing)}"
+        return f"implements no {name}"
+
+    # -- candidates ----------------------------------------------------------------------------
+    def _impl_of(self, op: str, backend: str) -> Optional[Impl]:
+        impls = [i for i in self._registered.get(op, []) if i.backend == backend]
+        return min(impls, key=lambda i: i.priority) if impls else None
+
+    def candidates(self, op: str) -> tuple[Impl, ...]:
+        """Every implementation of `op`, whole-op and composed, best priority first."""
+        name = self.canonical(op)
+        self.discover(name)
+        cached = self._candidates.get(name)
+        if cached is not None:
+            return cached
+        with self._lock:
+            spec = self._ops[name]
+            impls = list(self._registered.get(name, []))
+            if spec.composed_of:
+                for backend in self._backend_names:
+                    parts = [self._impl_of(k, backend) for k in spec.composed_of]
+                    if all(parts):
+                        impls.append(self._compose(spec, backend, parts))
+            # whole-op implementations before the composition of the same priority
+            impls.sort(key=lambda i: (i.priority, i.variant != WHOLE_OP))
+            result = self._candidates[name] = tuple(impls)
+            return result
+
+    def _compose(self, spec: OpSpec, backend: str, parts: list[Impl]) -> Impl:
+        key = (spec.name, backend, tuple(id(p.fn) for p in parts))
+        impl = self._composed.get(key)
+        if impl is None:
+            first = parts[0]
+            capability = Capability(first.capability.devices, first.capability.min_cc, first.capability.max_cc,
+                                    first.capability.dtypes, first.capability.modules)
+            impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
+                        variant="composed from " + " + ".join(spec.composed_of))
+            self._composed[key] = impl
+        return impl
+
+
+TABLE = OpTable()
+
+
+def declare_op_locations(op: str, locations: dict[str, str]) -> None:
+    """Declare where each backend's implementation of `op` lives (module paths, imported lazily)."""
+    TABLE.declare_op_locations(op, locations)
+
+
+def register_backend(op: str, *, backend: str, priority: int = 50, capability: Optional[Capability] = None,
+                     variant: str = WHOLE_OP) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated function as `backend`'s implementation of `op`."""
+    capability = capability if capability is not None else Capability()
+
+    def decorate(fn: Callable) -> Callable:
+        TABLE.register(Impl(op, backend, fn, priority, capability, variant))
+        return fn
+
+    return decorate

@@ -1,0 +1,97 @@
+"""Input validation shared by the op specs: each failure names the argument and what was expected."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from liger_dispatch.errors import InputError
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def tensor(name: str, value, *, ndim: Optional[int] = None, min_ndim: int = 0, floating: bool = False,
+           integer: bool = False) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None and value.dim() != ndim:
+        raise InputError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if value.dim() < min_ndim:
+        raise InputError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
+    if floating and value.dtype not in FLOAT_DTYPES:
+        raise InputError(f"{name} must be bfloat16, float16 or float32, got {value.dtype}")
+    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise InputError(f"{name} must be an integer tensor (int64), got {value.dtype}")
+    return value
+
+
+def same_device(**tensors) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for name, value in items[1:]:
+        if value.device != first.device:
+            raise InputError(f"{name} is on {value.device} but {first_name} is on {first.device}")
+
+
+def same_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise InputError(f"{b_name} has dtype {b.dtype} but {a_name} has {a.dtype}; they must match")
+
+
+def dim_equals(name: str, actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise InputError(f"{name}: {what} is {actual}, expected {expected}")
+
+
+def rows(name: str, value: torch.Tensor, n: int, what: str = "number of rows") -> None:
+    count = value.numel() if value.dim() <= 1 else value.shape[:-1].numel()
+    if count != n:
+        raise InputError(f"{name}: {what} is {count} but the input has {n} rows")
+
+
+def choice(name: str, value, options: tuple) -> None:
+    if value not in options:
+        raise InputError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+
+
+def in_range(name: str, value, low: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or not (low <= value <= high):
+        raise InputError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+
+
+def positive(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise InputError(f"{name} must be > 0, got {value!r}")
+
+
+def non_negative(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or not value >= 0:
+        raise InputError(f"{name} must be >= 0, got {value!r}")
+
+
+def integer(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be an int, got {value!r}")
+
+
+def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every entry in [0, vocab) or equal to ignore_index. One device sync when on an accelerator."""
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bool(bad.any()):
+        value = int(target[bad].flatten()[0])
+        raise InputError(f"{name} holds {value}, outside [0, {vocab}) and not ignore_index ({ignore_index})")
+
+
+def grad_scale(value, n_rows: int) -> None:
+    if value is None:
+        return
+    tensor("grad_scale", value)
+    if value.dtype != torch.float32 or not (value.dim() == 0 or tuple(value.shape) == (n_rows,)):
+        raise InputError(f"grad_scale must be a float32 tensor of shape [] or [{n_rows}], "
+                         f"got {value.dtype} {tuple(value.shape)}")
+
+
+def last_dim_contiguous(name: str, value: torch.Tensor) -> None:
+    if value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise InputError(f"{name} must have a contiguous last dimension (stride 1), got strides {value.stride()}")
