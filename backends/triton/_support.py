@@ -1,0 +1,92 @@
+"""What the Triton kernels of this backend share: capability, launch arguments, in-kernel math helpers."""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dispatch import Capability
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+PRIORITY = 20
+# Under the interpreter the kernels run on CPU tensors, so the backend accepts them there.
+CAPABILITY = Capability(
+    devices=("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",),
+    min_cc=(8, 0),
+    dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    modules=("triton",),
+)
+
+# Row kernels stream each row in blocks of BLOCK columns: 16 KB of each input per block (2-4 16-byte loads
+# a thread at ELEMS_PER_THREAD values), at most MAX_WARPS warps a program, and NUM_STAGES-deep software
+# pipelining of the block loads (cp.async into shared memory) so the next blocks are in flight while one is
+# reduced. Explicit values win (tests force tiny blocks; benchmarks sweep).
+BLOCK_BYTES = 16384
+ELEMS_PER_THREAD = 16
+MAX_WARPS = 16
+NUM_STAGES = 3
+
+
+def row_launch(n_cols, *tensors, block_size=None, num_warps=None, num_stages=None):
+    """Launch keywords (BLOCK, NUM_STAGES, num_warps) for a kernel streaming rows of n_cols of these tensors."""
+    widest = max(t.element_size() for t in tensors)
+    block = block_size or min(BLOCK_BYTES // widest, triton.next_power_of_2(n_cols))
+    warps = num_warps or max(1, min(MAX_WARPS, block // (32 * ELEMS_PER_THREAD)))
+    return dict(BLOCK=block, NUM_STAGES=num_stages or NUM_STAGES, num_warps=warps)
+
+
+def scale_args(grad_scale, dummy):
+    """grad_scale (None, 0-d or [C], maybe an expanded view) as (pointer, row stride, HAS_SCALE).
+
+    The scale stays on the device and is read in-kernel: no host sync. `dummy` is any tensor on the
+    same device, passed as the never-read pointer when there is no scale.
+    """
+    if grad_scale is None:
+        return dummy, 0, False
+    if grad_scale.dim() == 0:
+        return grad_scale, 0, True
+    return grad_scale, grad_scale.stride(0), True
+
+
+def check_rows(name, x):
+    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
+        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+
+
+@triton.jit
+def online_softmax_step(m, u):
+    """One block of an online softmax in base 2 (Milakov & Gimelshein).
+
+    m: running max (scalar); u: this block, masked lanes -inf. Returns the new max, alpha = exp2(m - m_new) that
+    sums relative to the old max are rescaled by, and exp2(u - m_new). Only the max is reduced across the block:
+    callers keep per-lane sums (d = d * alpha + e) and reduce them once, after the last block.
+    """
+    m_new = tl.maximum(m, tl.max(u, 0))
+    return m_new, tl.exp2(m - m_new), tl.exp2(u - m_new)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from one exp2 (portable to the interpreter, which has no libdevice); absolute error ~1e-7."""
+    e = tl.exp2((-2.0 * LOG2E) * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def load_scale(SCALE, scale_stride, row, HAS_SCALE: tl.constexpr):
+    if HAS_SCALE:
+        return tl.load(SCALE + row * scale_stride).to(tl.float32)
+    else:
+        return 1.0
+
+
+@triton.jit
+def zero_row(X, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    zeros = tl.zeros([BLOCK], X.dtype.element_ty)
+    for start in range(0, n_cols, BLOCK):
+        tl.store(X + start + cols, zeros, mask=start + cols < n_cols)

@@ -1,0 +1,94 @@
+"""Cross-entropy loss and gradient in one kernel: 2 passes over each row, gradient written over the logits."""
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dispatch import register_backend
+
+from ._support import (
+    CAPABILITY, LOG2E, LN2, PRIORITY,
+    check_rows, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+)
+
+
+@triton.jit
+def _ce_kernel(
+    X, x_stride, Y, y_stride, LOSS, SCALE, scale_stride,
+    ignore_index, smoothing, lse_square_scale, softcap,
+    V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * x_stride
+    y = tl.load(Y + row * y_stride)
+    if y == ignore_index:
+        zero_row(X, V, BLOCK)
+        tl.store(LOSS + row, 0.0)
+        return
+
+    cols = tl.arange(0, BLOCK)
+    # Pass 1: running max and sum of exp2 of z*log2(e), and sum z for the smoothing term.
+    z_y = tl.load(X + y).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_y = softcap * tanh(z_y / softcap)
+    m = -float("inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    z_sum = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        mask = start + cols < V
+        z = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * tanh(z / softcap)
+        m, alpha, e = online_softmax_step(m, tl.where(mask, z * LOG2E, -float("inf")))
+        d = d * alpha + e
+        if HAS_SMOOTHING:
+            z_sum += z  # masked lanes hold 0 (tanh(0) = 0 too)
+    lse2 = m + tl.log2(tl.sum(d, 0))
+    lse = lse2 * LN2
+
+    loss = lse - (1.0 - smoothing) * z_y + lse_square_scale * lse * lse
+    if HAS_SMOOTHING:
+        loss -= smoothing * tl.sum(z_sum, 0) / V
+    tl.store(LOSS + row, loss)
+
+    # Pass 2: dloss/dz_j = (1 + 2 s lse) softmax_j - (1 - eps)[j == y] - eps / V, times dz/dlogits, times grad_scale.
+    scale = load_scale(SCALE, scale_stride, row, HAS_SCALE)
+    p_coef = scale * (1.0 + 2.0 * lse_square_scale * lse)
+    uniform = scale * smoothing / V
+    on_target = scale * (1.0 - smoothing)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        offs = start + cols
+        mask = offs < V
+        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_SOFTCAP:
+            t = tanh(x / softcap)
+            z = softcap * t
+        else:
+            z = x
+        g = p_coef * tl.exp2(z * LOG2E - lse2) - uniform - tl.where(offs == y, on_target, 0.0)
+        if HAS_SOFTCAP:
+            g *= 1.0 - t * t
+        tl.store(X + offs, g.to(X.dtype.element_ty), mask=mask)
+
+
+@register_backend("ce_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
+def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                     lse_square_scale=0.0, block_size=None, num_warps=None, num_stages=None):
+    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits.
+
+    block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
+    """
+    check_rows("logits", logits)
+    C, V = logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    if C == 0:
+        return loss
+    scale, scale_stride, has_scale = scale_args(grad_scale, loss)
+    _ce_kernel[(C,)](
+        logits, logits.stride(0), target, target.stride(0), loss, scale, scale_stride,
+        ignore_index, float(label_smoothing), float(lse_square_scale), float(softcap or 1.0),
+        V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0,
+        **row_launch(V, logits, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
+    )
+    return loss

@@ -1,0 +1,143 @@
+"""Generalized Jensen-Shannon divergence between student and teacher logits, loss and student gradient in one kernel.
+
+beta = 0 (KL(p||q)) and beta = 1 (KL(q||p)) need 2 passes over each row: their loss is an expectation that the
+online softmax can rescale as the max moves, and the gradient's cross-column term is the loss itself (beta = 1)
+or absent (beta = 0). Any other beta needs log m_j = log(beta p_j + (1 - beta) q_j), which is only known once
+both normalizers are, so it takes 3: statistics, then loss and sum_k q_k (log q_k - log m_k), then the gradient.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dispatch import register_backend
+
+from ._support import (
+    CAPABILITY, LOG2E, LN2, PRIORITY,
+    check_rows, load_scale, online_softmax_step, row_launch, scale_args, zero_row,
+)
+
+FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+
+
+@triton.jit
+def _jsd_kernel(
+    S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    ignore_index, beta, to_log2, grad_mult,
+    V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr, 
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    S += row * s_stride
+    T += row * t_stride
+    if HAS_LABELS:
+        if tl.load(LABELS + row * label_stride) == ignore_index:
+            zero_row(S, V, BLOCK)
+            tl.store(LOSS + row, 0.0)
+            return
+
+    # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
+    cols = tl.arange(0, BLOCK)
+    m_s = -float("inf")
+    m_t = -float("inf")
+    d_s = tl.zeros([BLOCK], tl.float32)
+    d_t = tl.zeros([BLOCK], tl.float32)
+    # FORWARD_KL: sum_j exp2(t2_j - m_t) (t2_j - s2_j); REVERSE_KL: the same with s and t swapped.
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        mask = start + cols < V
+        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+        t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+        m_s, alpha_s, e_s = online_softmax_step(m_s, tl.where(mask, s2, -float("inf")))
+        m_t, alpha_t, e_t = online_softmax_step(m_t, tl.where(mask, t2, -float("inf")))
+        d_s = d_s * alpha_s + e_s
+        d_t = d_t * alpha_t + e_t
+        # masked lanes: e = 0 times (0 - 0)
+        if MODE == 0:
+            acc = acc * alpha_t + e_t * (t2 - s2)
+        elif MODE == 1:
+            acc = acc * alpha_s + e_s * (s2 - t2)
+    sum_s = tl.sum(d_s, 0)
+    sum_t = tl.sum(d_t, 0)
+    lse_s = m_s + tl.log2(sum_s)
+    lse_t = m_t + tl.log2(sum_t)
+
+    scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
+    if MODE == 0:
+        # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
+        tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
+        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+            mask = start + cols < V
+            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
+            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+    elif MODE == 1:
+        # KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = sum_k q_k (ls2_k - lt2_k); dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)
+        kl2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
+        tl.store(LOSS + row, kl2 * LN2)
+        shift = lse_s - lse_t + kl2
+        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+            mask = start + cols < V
+            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
+            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+    else:
+        # loss = beta KL(p||m) + (1 - beta) KL(q||m);
+        # dL/ds_j = (1 - beta) q_j ln2 ((ls2_j - lm2_j) - sum_k q_k (ls2_k - lm2_k))
+        loss = tl.zeros([BLOCK], tl.float32)
+        cross = tl.zeros([BLOCK], tl.float32)
+        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+            mask = start + cols < V
+            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+            ls2 = s2 - lse_s
+            lt2 = t2 - lse_t
+            q = tl.exp2(ls2)
+            p = tl.exp2(lt2)
+            # m == 0 only where p and q both underflow: then both terms are 0 * finite
+            lm2 = tl.log2(tl.maximum(beta * p + (1.0 - beta) * q, 1.1754943508222875e-38))
+            q_term = tl.where(mask, q * (ls2 - lm2), 0.0)
+            loss += beta * tl.where(mask, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
+            cross += q_term
+        tl.store(LOSS + row, tl.sum(loss, 0) * LN2)
+        cross2 = tl.sum(cross, 0)
+        g_mult = scale * (1.0 - beta) * LN2
+        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+            mask = start + cols < V
+            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            ls2 = s2 - lse_s
+            q = tl.exp2(ls2)
+            lm2 = tl.log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, 1.1754943508222875e-38))
+            g = g_mult * q * (ls2 - lm2 - cross2)
+            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+
+
+@register_backend("jsd_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+                      grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits.
+
+    The teacher is only read. block_size / num_warps / num_stages override the launch configuration (tests,
+    tuning sweeps).
+    """
+    check_rows("student_logits", student_logits)
+    check_rows("teacher_logits", teacher_logits)
+    C, V = student_logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    if C == 0:
+        return loss
+    scale, scale_stride, has_scale = scale_args(grad_scale, loss)
+    mode = FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE
+    _jsd_kernel[(C,)](
+        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0),
+        loss if labels is None else labels, 0 if labels is None else labels.stride(0),
+        loss, scale, scale_stride,
+        ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature,
+        V=V, MODE=mode, HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
+        **row_launch(V, student_logits, teacher_logits, block_size=block_size, num_warps=num_warps,
+                     num_stages=num_stages),
+    )
+    return loss

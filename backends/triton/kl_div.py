@@ -1,0 +1,101 @@
+"""KL(target || softmax(student / T)) against explicit target probabilities: loss and student gradient in 2 passes.
+
+Pass 1 builds the student's softmax statistics and sum_k q_k; pass 2 accumulates the loss element by element
+(no cancellation between large terms) and writes dL/ds_j = softmax_j * sum_k q_k - q_j over the student logits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from liger_dispatch import register_backend
+
+from ._support import (
+    CAPABILITY, LOG2E, LN2, PRIORITY,
+    check_rows, load_scale, online_softmax_step, row_launch, scale_args, zero_row,
+)
+
+
+@triton.jit
+def _target_probs(target, mask, LOG_TARGET: tl.constexpr):
+    """q for this block (0 on masked lanes) from probabilities, or from log-probabilities when LOG_TARGET."""
+    if LOG_TARGET:
+        q = tl.exp2(target * LOG2E)
+    else:
+        q = target
+    return tl.where(mask, q, 0.0)
+
+
+@triton.jit
+def _kl_kernel(
+    S, s_stride, Q, q_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    ignore_index, to_log2, grad_mult, eps,
+    V: tl.constexpr, LOG_TARGET: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    S += row * s_stride
+    Q += row * q_stride
+    if HAS_LABELS:
+        if tl.load(LABELS + row * label_stride) == ignore_index:
+            zero_row(S, V, BLOCK)
+            tl.store(LOSS + row, 0.0)
+            return
+
+    cols = tl.arange(0, BLOCK)
+    m = -float("inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    q_sum = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        mask = start + cols < V
+        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+        target = tl.load(Q + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        m, alpha, e = online_softmax_step(m, tl.where(mask, s2, -float("inf")))
+        d = d * alpha + e
+        q_sum += _target_probs(target, mask, LOG_TARGET)
+    lse2 = m + tl.log2(tl.sum(d, 0))
+    total_q = tl.sum(q_sum, 0)
+
+    scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
+    loss = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        mask = start + cols < V
+        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+        target = tl.load(Q + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        q = _target_probs(target, mask, LOG_TARGET)
+        if LOG_TARGET:
+            log_q = tl.where(q != 0.0, target, 0.0)  # target may be -inf
+        else:
+            log_q = tl.log2(tl.maximum(q, eps)) * LN2  # log(max(q, eps))
+        ls2 = s2 - lse2
+        loss += q * (log_q - ls2 * LN2)  # 0 log 0 = 0: log_q is finite where q = 0
+        g = scale * (tl.exp2(ls2) * total_q - q)
+        tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+    tl.store(LOSS + row, tl.sum(loss, 0))
+
+
+@register_backend("kl_div_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
+def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                         log_target=False, grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits are overwritten with
+    grad_scale * dloss/dlogits. The target is only read.
+
+    block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
+    """
+    check_rows("student_logits", student_logits)
+    check_rows("target", target)
+    C, V = student_logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    if C == 0:
+        return loss
+    scale, scale_stride, has_scale = scale_args(grad_scale, loss)
+    _kl_kernel[(C,)](
+        student_logits, student_logits.stride(0), target, target.stride(0),
+        loss if labels is None else labels, 0 if labels is None else labels.stride(0),
+        loss, scale, scale_stride,
+        ignore_index, LOG2E.value / temperature, 1.0 / temperature, float(eps),
+        V=V, LOG_TARGET=bool(log_target), HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
+        **row_launch(V, student_logits, target, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
+    )
+    return loss
