@@ -67,11 +67,7 @@ def op(name: str, backend: Union[None, str, Sequence[str]] = None) -> OpHandle:
 def registered_backends(op_name: str) -> list[str]:
     """Every backend that declared or registered an implementation of the op, usable here or not."""
     name = TABLE.canonical(op_name)
-    spec = TABLE.spec(name)
-    declared = set()
-    for needed in (name, *spec.composed_of):
-        declared.update(TABLE.locations(needed))
-    declared.update(i.backend for i in TABLE.candidates(name))
+    declared = set(TABLE.declaring_backends(name)) | {i.backend for i in TABLE.candidates(name)}
     return [b for b in TABLE.backend_names() if b in declared]
 
 

@@ -123,7 +123,7 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
         else:
             rejected.append(Rejection(impl.backend, impl.variant, reason))
     have = {i.backend for i in candidates}
-    for name in requested or [b for b in TABLE.backend_names() if b != REFERENCE]:
+    for name in requested or TABLE.declaring_backends(op):
         if name not in have:
             rejected.append(Rejection(name, "", TABLE.unavailable_reason(op, name)))
     if requested:
@@ -181,7 +181,8 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
     wanted = res.requested[: res.requested.index(chosen.backend)] if chosen.backend in res.requested else res.requested
     relevant = [r for r in rejected if (r.backend in wanted if res.requested else r.backend != REFERENCE)]
     why = _describe(relevant) or "no reason recorded"
-    asked = f"{', '.join(wanted)} (from {res.source})" if res.requested else "no accelerated backend"
+    asked = (f"requested {', '.join(wanted)} (from {res.source})" if res.requested
+             else "no backend better than the reference")
     message = f"liger_dispatch: {res.op}: {asked} cannot serve this call [{why}]; falling back to '{chosen.backend}'"
     if strict():
         raise BackendUnavailableError(message + " (LIGER_STRICT=1 forbids falling back)")

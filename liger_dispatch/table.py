@@ -112,6 +112,12 @@ class OpTable:
     def backend_names(self) -> list[str]:
         return list(self._backend_names)
 
+    def declaring_backends(self, op: str) -> list[str]:
+        """Backends with a declared location for `op` or for an op it is composed of."""
+        name = self.canonical(op)
+        declared = {b for needed in (name, *self._ops[name].composed_of) for b in self._locations.get(needed, {})}
+        return [b for b in self._backend_names if b in declared]
+
     def locations(self, op: str) -> dict[str, str]:
         return dict(self._locations.get(self.canonical(op), {}))
 

@@ -1,0 +1,5 @@
+import sys
+
+from liger_dispatch.cli import main
+
+sys.exit(main())

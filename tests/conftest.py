@@ -1,0 +1,49 @@
+"""Test setup: without a GPU, Triton (and Helion's generated Triton) kernels run in Triton's interpreter
+on CPU tensors; the variable must be set before any kernel is defined, so it is set here, first."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("HELION_INTERPRET") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+
+from liger_dispatch import selection  # noqa: E402
+from liger_dispatch.table import TABLE  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def clean_selection(monkeypatch):
+    """Each test starts with no LIGER_* preference in the environment and no memoized selection."""
+    for key in list(os.environ):
+        if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_BUDGET_MB"):
+            monkeypatch.delenv(key)
+    selection.reset()
+    yield
+    selection.reset()
+
+
+@pytest.fixture
+def isolated_table():
+    """Lets a test declare ops and register backends, and undoes it afterwards."""
+    saved = {k: copy.copy(v) for k, v in TABLE.__dict__.items() if k != "_lock"}
+    saved["_locations"] = {op: dict(locs) for op, locs in TABLE._locations.items()}
+    saved["_registered"] = {op: list(impls) for op, impls in TABLE._registered.items()}
+    yield TABLE
+    TABLE.__dict__.update(saved)
+    TABLE._candidates.clear()
+    TABLE.version += 1
+    selection.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

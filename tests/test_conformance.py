@@ -1,0 +1,227 @@
+"""The conformance suite, driven by the registry: every (op, backend) that can run here is compared with
+the reference formulas on fresh random inputs. A new backend is tested by registering it.
+
+On the CPU the shapes are tiny (Triton and Helion kernels run in Triton's interpreter); `pytest -m gpu`
+runs the same cases at real shapes on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import liger_dispatch as ld
+from liger_dispatch import dispatch
+from liger_dispatch.backends.reference import formulas
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
+
+
+def runnable(op: str, dtype: torch.dtype) -> list[str]:
+    return [b for b, why in dispatch.backend_status(op, DEVICE, dtype).items() if why is None]
+
+
+def cases(ops=USER_OPS):
+    params = []
+    for op in ops:
+        for dtype in DTYPES:
+            for backend in ld.registered_backends(op):
+                marks = () if backend in runnable(op, dtype) else (pytest.mark.skip(reason=dispatch.backend_status(
+                    op, DEVICE, dtype)[backend]),)
+                params.append(pytest.param(op, backend, dtype, marks=marks,
+                                           id=f"{op}-{backend}-{str(dtype).replace('torch.', '')}"))
+    return params
+
+
+@pytest.fixture(autouse=True)
+def strict(monkeypatch):
+    monkeypatch.setenv("LIGER_STRICT", "1")  # a pinned backend that silently fell back would test nothing
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12)) if want.norm() > 0 else float(got.norm())
+
+
+def assert_close(name, got, want, dtype):
+    assert got is not None and want is not None, f"{name}: missing"
+    assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    err = rel_err(got, want)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(grad)
+
+
+def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7):
+    """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same
+    upstream gradient through both, and compares outputs and the gradients of `grad_names`."""
+    mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    theirs = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    got = dispatch.op(op, backend=backend)(*mine.values(), **kwargs)
+    want = getattr(formulas, op)(*theirs.values(), **kwargs)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    total_got, total_want = 0, 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(f"{op} output {i}", g.float(), w.float(), dtype)
+        weights = torch.randn(w.shape, device=w.device, dtype=torch.float32) if w.dim() else torch.tensor(upstream)
+        total_got = total_got + (g.float() * weights.to(g.device)).sum()
+        total_want = total_want + (w.float() * weights.to(w.device)).sum()
+    total_got.backward()
+    total_want.backward()
+    for name in grad_names:
+        assert_close(f"{op} grad of {name}", mine[name].grad, theirs[name].grad, dtype)
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32).mul_(scale).to(dtype)
+
+
+def labels(n, vocab, ignored=(), all_ignored=False):
+    y = torch.randint(0, vocab, (n,), device=DEVICE)
+    if all_ignored:
+        y.fill_(-100)
+    for i in ignored:
+        y[i] = -100
+    return y
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a transposed storage: stride(-1) != 1."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+N, H, V = (512, 256, 4099) if ON_GPU else (7, 16, 131)
+gpu_or_cpu = pytest.mark.gpu if ON_GPU else ()
+
+FLCE_CASES = {
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "smoothing": dict(label_smoothing=0.1),
+    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
+    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLCE_CASES))
+@pytest.mark.parametrize("op,backend,dtype", cases(("flce",)))
+def test_flce(op, backend, dtype, case):
+    x, w = randn(N, H, dtype=dtype), randn(V, H, dtype=dtype, scale=H ** -0.5)
+    inputs = dict(input=x, weight=w, target=labels(N, V, ignored=(1,)))
+    run_and_compare(op, backend, dtype, inputs, FLCE_CASES[case], ("input", "weight"))
+
+
+@pytest.mark.parametrize("op,backend,dtype", cases(("flce",)))
+def test_flce_bias_3d_noncontiguous(op, backend, dtype):
+    x = non_contiguous(randn(2, 4, H, dtype=dtype))
+    inputs = dict(input=x, weight=randn(V, H, dtype=dtype, scale=H ** -0.5), target=labels(8, V, ignored=(0, 5)).view(2, 4),
+                  bias=randn(V, dtype=dtype))
+    run_and_compare(op, backend, dtype, inputs, dict(label_smoothing=0.05), ("input", "weight", "bias"))
+
+
+@pytest.mark.parametrize("rows", [1, 0])
+@pytest.mark.parametrize("op,backend,dtype", cases(("flce",)))
+def test_flce_single_row_and_all_ignored(op, backend, dtype, rows):
+    n = max(rows, 3)
+    inputs = dict(input=randn(n, H, dtype=dtype), weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                  target=labels(n, V, all_ignored=rows == 0))
+    run_and_compare(op, backend, dtype, inputs, {}, ("input", "weight"))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature,t_squared", [(1.0, False), (2.0, True), (0.7, False)])
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_jsd",)))
+def test_fused_linear_jsd(op, backend, dtype, beta, temperature, t_squared):
+    h_t = H + 8  # the teacher's hidden size may differ from the student's
+    inputs = dict(student_input=randn(N, H, dtype=dtype), student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                  teacher_input=randn(N, h_t, dtype=dtype), teacher_weight=randn(V, h_t, dtype=dtype, scale=h_t ** -0.5),
+                  shift_labels=labels(N, V, ignored=(2,)))
+    run_and_compare(op, backend, dtype, inputs,
+                    dict(jsd_beta=beta, temperature=temperature, scale_by_temperature_squared=t_squared),
+                    ("student_input", "student_weight"))
+
+
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_jsd",)))
+def test_fused_linear_jsd_no_labels_all_ignored_noncontiguous(op, backend, dtype):
+    base = dict(student_input=non_contiguous(randn(N, H, dtype=dtype)),
+                student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                teacher_input=randn(N, H, dtype=dtype), teacher_weight=randn(V, H, dtype=dtype, scale=H ** -0.5))
+    run_and_compare(op, backend, dtype, base, dict(jsd_beta=0.3), ("student_input", "student_weight"))
+    run_and_compare(op, backend, dtype, {**base, "shift_labels": labels(N, V, all_ignored=True)}, {},
+                    ("student_input", "student_weight"))
+
+
+def kl_target(n, vocab, dtype, log_target, zeros):
+    probs = torch.softmax(randn(n, vocab, scale=2.0), dim=-1)
+    if zeros:
+        probs[:, ::5] = 0
+        probs = probs / probs.sum(-1, keepdim=True)
+    return (probs.clamp_min(1e-30).log() if log_target else probs).to(dtype)
+
+
+@pytest.mark.parametrize("reduction", ["batchmean", "mean", "sum"])
+@pytest.mark.parametrize("log_target,zeros,temperature", [(False, True, 1.0), (True, False, 2.0), (False, False, 0.5)])
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_kl_div",)))
+def test_fused_linear_kl_div(op, backend, dtype, reduction, log_target, zeros, temperature):
+    inputs = dict(student_input=randn(N, H, dtype=dtype), student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                  target=kl_target(N, V, torch.float32, log_target, zeros), shift_labels=labels(N, V, ignored=(3,)))
+    run_and_compare(op, backend, dtype, inputs,
+                    dict(reduction=reduction, log_target=log_target, temperature=temperature),
+                    ("student_input", "student_weight"))
+
+
+MHC_SHAPES = ((4, 512, 4, 1024),) if ON_GPU else ((2, 3, 4, 8), (5, 2, 8))
+
+
+@pytest.mark.parametrize("shape", MHC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tmax", [1, 3, 20])
+@pytest.mark.parametrize("op,backend,dtype", cases(("mhc_coeffs",)))
+def test_mhc_coeffs(op, backend, dtype, shape, tmax):
+    hc, c = shape[-2], shape[-1]
+    n = hc * hc + 2 * hc
+    x = randn(*shape, dtype=dtype)
+    if len(shape) == 4:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+    inputs = dict(x=x, phi=randn(hc * c, n, dtype=dtype, scale=(hc * c) ** -0.5), b=randn(n, scale=0.5),
+                  alpha_pre=torch.tensor(0.8, device=DEVICE), alpha_post=torch.tensor(1.1, device=DEVICE),
+                  alpha_res=torch.tensor(0.9, device=DEVICE))
+    run_and_compare(op, backend, dtype, inputs, dict(tmax=tmax, pre_eps=0.01),
+                    ("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"))
+
+
+@pytest.mark.parametrize("rows", ["1", "3", "64"])
+@pytest.mark.parametrize("op", ["flce", "fused_linear_jsd", "fused_linear_kl_div"])
+def test_chunked_driver_chunk_sizes_reference(op, rows, monkeypatch):
+    """The shared driver on the reference kernels: chunk sizes that do not divide N give the same answer."""
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", rows)
+    dtype = torch.float32
+    n = 11
+    x, w = randn(n, H), randn(V, H, scale=H ** -0.5)
+    if op == "flce":
+        inputs = dict(input=x, weight=w, target=labels(n, V, ignored=(4,)), bias=randn(V))
+        grads = ("input", "weight", "bias")
+        kwargs = dict(label_smoothing=0.1)
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(n, H), teacher_weight=randn(V, H),
+                      shift_labels=labels(n, V, ignored=(4,)))
+        grads, kwargs = ("student_input", "student_weight"), dict(jsd_beta=0.5, temperature=2.0)
+    else:
+        inputs = dict(student_input=x, student_weight=w, target=kl_target(n, V, dtype, False, True))
+        grads, kwargs = ("student_input", "student_weight"), {}
+    run_and_compare(op, "reference", dtype, inputs, kwargs, grads)
+
+
+def test_budget_chunking_runs_small_batches_as_one_chunk():
+    from liger_dispatch.fused_linear import chunk_rows
+
+    assert chunk_rows(1024, 128256, 2) == 1024  # 256 MB budget: one chunk
+    rows = chunk_rows(16384, 128256, 2)
+    assert rows % 64 == 0 and rows * 128256 * 2 <= 256 * 2**20 + 64 * 128256 * 2
+    assert chunk_rows(1000, 128256, 2) == 1000
+    assert -(-3000 // chunk_rows(3000, 128256, 2)) == 3  # balanced: three chunks of ~1000, not 1024+1024+952

@@ -1,0 +1,195 @@
+"""The selector: order of preference sources, env vars, lists, fallback warnings, strict mode, unknown
+names, third-party backends, discovery failures, concurrency, explain."""
+
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import liger_dispatch as ld
+from liger_dispatch import dispatch
+from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, UnknownBackendError, UnknownOpError
+from liger_dispatch.table import OpSpec
+
+CPU = ld.Capability(devices=("cpu",))
+CUDA_ONLY = ld.Capability(devices=("cuda",), min_cc=(9, 0))
+
+
+@pytest.fixture
+def toy(isolated_table):
+    """An op `toy(x)` served by alpha (priority 5), beta (priority 7), a CUDA-only gamma and the reference."""
+    isolated_table.declare_op(OpSpec("toy", "kernel", lambda x, scale=1.0: None, aliases=("toy_alias",)))
+    for name, priority, cap in (("alpha", 5, CPU), ("beta", 7, CPU), ("gamma", 1, CUDA_ONLY), ("reference", 100, CPU)):
+        ld.register_backend("toy", backend=name, priority=priority, capability=cap)(
+            lambda x, scale=1.0, _n=name: (_n, x * scale))
+    return dispatch.op("toy")
+
+
+def served(handle, *args, **kwargs):
+    return handle(torch.ones(2), *args, **kwargs)[0]
+
+
+def test_auto_picks_best_priority_among_capable(toy):
+    assert served(toy) == "alpha"  # gamma has the best priority but needs CUDA; no warning in auto mode
+
+
+def test_preference_sources_in_order(toy, monkeypatch):
+    monkeypatch.setenv("LIGER_BACKEND", "beta")
+    assert served(toy) == "beta"
+    monkeypatch.setenv("LIGER_BACKEND_TOY", "reference")
+    assert served(toy) == "reference"  # per-op beats global
+    with ld.use_backend("alpha"):
+        assert served(toy) == "alpha"  # use_backend beats env
+        assert served(dispatch.op("toy", backend="beta")) == "beta"  # the handle's pin beats everything
+    assert served(toy) == "reference"
+
+
+def test_use_backend_is_thread_local(toy):
+    seen = {}
+    with ld.use_backend("beta"):
+        thread = threading.Thread(target=lambda: seen.setdefault("other", served(toy)))
+        thread.start()
+        thread.join()
+        assert served(toy) == "beta"
+    assert seen["other"] == "alpha"
+
+
+def test_preference_list_falls_through_with_one_warning_per_reason(toy, monkeypatch):
+    monkeypatch.setenv("LIGER_BACKEND", "gamma,beta")
+    with pytest.warns(FallbackWarning, match=r"gamma.*needs a CUDA device.*falling back to 'beta'"):
+        assert served(toy) == "beta"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert served(toy) == "beta"  # same reason: no second warning
+
+
+def test_strict_turns_fallback_into_error(toy, monkeypatch):
+    monkeypatch.setenv("LIGER_BACKEND", "gamma")
+    monkeypatch.setenv("LIGER_STRICT", "1")
+    with pytest.raises(BackendUnavailableError, match="gamma"):
+        toy(torch.ones(2))
+    with pytest.raises(BackendUnavailableError):  # every call, not just the first
+        toy(torch.ones(2))
+
+
+def test_unknown_backend_name_is_an_error_listing_the_names(toy, monkeypatch):
+    monkeypatch.setenv("LIGER_BACKEND", "trition")
+    with pytest.raises(UnknownBackendError, match=r"trition.*registered backends: .*triton"):
+        toy(torch.ones(2))
+    monkeypatch.delenv("LIGER_BACKEND")
+    with pytest.raises(UnknownBackendError, match="nope"):
+        dispatch.op("toy", backend="nope")(torch.ones(2))
+
+
+def test_unknown_op_and_alias(toy):
+    assert dispatch.op("toy_alias").name == "toy"
+    with pytest.raises(UnknownOpError, match="unknown op 'nope'"):
+        dispatch.op("nope")
+
+
+def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
+    isolated_table.declare_op(OpSpec("sized", "kernel", lambda x: None))
+    small_only = ld.Capability(devices=("cpu",), predicate=lambda x: "too large" if x.numel() > 4 else None)
+    ld.register_backend("sized", backend="alpha", priority=1, capability=small_only)(lambda x: "alpha")
+    ld.register_backend("sized", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
+    handle = dispatch.op("sized")
+    assert handle(torch.ones(2)) == "alpha"
+    assert handle(torch.ones(8)) == "reference"  # auto mode: falls through; explain tells why
+    assert "too large" in str(handle.explain(torch.ones(8)))
+    monkeypatch.setenv("LIGER_BACKEND", "alpha")
+    with pytest.warns(FallbackWarning, match="too large"):
+        assert handle(torch.ones(8)) == "reference"
+
+
+def test_dtype_capability_checks_every_float_tensor(isolated_table):
+    isolated_table.declare_op(OpSpec("pair", "kernel", lambda a, b: None))
+    ld.register_backend("pair", backend="alpha", priority=1,
+                        capability=ld.Capability(devices=("cpu",), dtypes=(torch.float32,)))(lambda a, b: "alpha")
+    ld.register_backend("pair", backend="reference", priority=100, capability=CPU)(lambda a, b: "reference")
+    handle = dispatch.op("pair")
+    assert handle(torch.ones(2), torch.ones(2, dtype=torch.long)) == "alpha"  # integer tensors are not checked
+    with pytest.warns(FallbackWarning, match="does not support float16"):
+        assert handle(torch.ones(2), torch.ones(2, dtype=torch.float16)) == "reference"
+
+
+def test_third_party_backend_by_decorator_serves_the_composed_user_op(isolated_table, monkeypatch):
+    from liger_dispatch.backends.reference.jsd import jsd_loss_and_grad
+
+    calls = []
+
+    @ld.register_backend("jsd_loss_and_grad", backend="mine", priority=5, capability=ld.Capability(devices=("cpu",)))
+    def my_jsd(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0, grad_scale=None):
+        calls.append(student_logits.shape)
+        return jsd_loss_and_grad(student_logits, teacher_logits, labels, beta=beta, ignore_index=ignore_index,
+                                 temperature=temperature, grad_scale=grad_scale)
+
+    monkeypatch.setenv("LIGER_BACKEND", "mine")
+    x, w, xt, wt = torch.randn(6, 8), torch.randn(11, 8, requires_grad=True), torch.randn(6, 8), torch.randn(11, 8)
+    handle = dispatch.op("fused_linear_jsd")
+    assert handle.select(x, w, xt, wt).backend == "mine"
+    handle(x, w, xt, wt).backward()
+    assert calls and w.grad is not None
+    assert "mine" in ld.registered_backends("fused_linear_jsd")
+
+
+def test_discovery_failure_is_recorded_and_does_not_break_others(isolated_table):
+    ld.declare_op_locations("ce_loss_and_grad", {"broken": "liger_dispatch_no_such_module.ce"})
+    assert "broken" in ld.registered_backends("flce")
+    status = dispatch.backend_status("flce", "cpu", torch.float32)
+    assert "failed to import" in status["broken"] and "liger_dispatch_no_such_module" in status["broken"]
+    assert status["reference"] is None
+
+
+def test_concurrent_first_use_imports_once(isolated_table, tmp_path, monkeypatch):
+    module = tmp_path / "slow_backend_mod.py"
+    module.write_text(
+        "import time, torch, liger_dispatch as ld\n"
+        "IMPORTS = globals().get('IMPORTS', 0) + 1\n"
+        "time.sleep(0.3)\n"
+        "@ld.register_backend('slow_op', backend='slow', priority=1, capability=ld.Capability(devices=('cpu',)))\n"
+        "def slow(x):\n    return 'slow'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    isolated_table.declare_op(OpSpec("slow_op", "kernel", lambda x: None))
+    ld.declare_op_locations("slow_op", {"slow": "slow_backend_mod"})
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(dispatch.op("slow_op")(torch.ones(1)))
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == ["slow"] * 8
+    assert sys.modules["slow_backend_mod"].IMPORTS == 1
+
+
+def test_explain_names_the_selected_backend_and_why_not_the_others(toy):
+    text = str(toy.explain(torch.ones(2)))
+    assert "alpha [whole-op]: SELECTED" in text
+    assert "gamma" in text and "needs a CUDA device" in text
+    assert "beta" in text and "not chosen" in text
+
+
+def test_cutedsl_on_cpu_falls_back_with_a_warning_and_raises_when_strict(monkeypatch):
+    x, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    monkeypatch.setenv("LIGER_BACKEND", "cutedsl")
+    with pytest.warns(FallbackWarning, match=r"cutedsl.*\[cutedsl: .+\]; falling back to 'reference'"):
+        loss = dispatch.op("flce")(x, w, y)
+    assert torch.isfinite(loss)
+    monkeypatch.setenv("LIGER_STRICT", "1")
+    with pytest.raises(BackendUnavailableError, match="cutedsl"):
+        dispatch.op("flce")(x, w, y)
+
+
+def test_available_and_registered_backends():
+    assert ld.registered_backends("flce")[:1] == ["reference"]
+    assert set(ld.registered_backends("fused_linear_cross_entropy")) >= {"reference", "triton", "cutedsl", "helion"}
+    usable = ld.available_backends("flce", device="cpu", dtype=torch.float32)
+    assert usable[-1] == "reference" and "cutedsl" not in usable
