@@ -1,0 +1,129 @@
+"""Time each Triton loss kernel alone on one logits chunk and compare its traffic with the GPU's bandwidth.
+
+    python benchmarks/triton_loss_kernels.py                 # C=4096, V=128256, bf16
+    python benchmarks/triton_loss_kernels.py --sweep         # also time (BLOCK, num_warps, num_stages) variants
+
+Each kernel is first checked against the float64 formulas on a few rows (first and last); any mismatch exits 1.
+"model GB" is what the kernel's passes move if no pass hits L2 (every pass reads each input row, then one write
+of the gradient); "min GB" is the floor of any loss-and-gradient kernel (each input read once, one write).
+"""
+
+import argparse
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+from liger_dispatch.backends.triton.ce import ce_loss_and_grad
+from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
+from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
+
+CHECK_ROWS = [0, 1, -2, -1]
+SWEEP = [(4096, 8, 3), (8192, 8, 3), (8192, 16, 1), (8192, 16, 2), (8192, 16, 3), (8192, 32, 3), (16384, 16, 3),
+         (16384, 32, 1), (16384, 32, 3), (32768, 32, 1)]
+
+
+def cases(C, V, dtype):
+    """(name, passes, make_inputs, run, reference_rows); inputs[0] is the buffer that receives the gradient."""
+    dev = "cuda"
+
+    def logits():
+        return torch.randn(C, V, device=dev, dtype=dtype) * 3.0
+
+    def target():
+        return torch.randint(0, V, (C,), device=dev)
+
+    def probs():
+        return torch.softmax(torch.randn(C, V, device=dev) * 3.0, dim=-1).to(dtype)
+
+    scale = torch.tensor(1.0 / C, device=dev)
+    opts = dict(label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4)
+    out = [
+        ("ce", 2, lambda: (logits(), target()),
+         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **k), lambda x, y: ce_rows(x, y)),
+        ("ce smooth+cap+z", 2, lambda: (logits(), target()),
+         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **opts, **k), lambda x, y: ce_rows(x, y, **opts)),
+    ]
+    for beta in (0.0, 0.5, 1.0):
+        out.append((f"jsd beta={beta:g}", 3 if beta not in (0.0, 1.0) else 2, lambda: (logits(), logits(), target()),
+                    lambda s, t, y, b=beta, **k: jsd_loss_and_grad(s, t, y, beta=b, temperature=2.0, grad_scale=scale,
+                                                                   **k),
+                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0)))
+    out.append(("kl", 2, lambda: (logits(), probs(), target()),
+                lambda s, q, y, **k: kl_div_loss_and_grad(s, q, y, temperature=2.0, grad_scale=scale, **k),
+                lambda s, q, y: kl_div_rows(s, q, y, temperature=2.0)))
+    return out
+
+
+def traffic(inputs, passes):
+    """(model bytes, minimum bytes) of one call."""
+    reads = sum(t.numel() * t.element_size() for t in inputs if t.dim() == 2)
+    write = inputs[0].numel() * inputs[0].element_size()
+    return passes * reads + write, reads + write
+
+
+def check(name, inputs, run, reference_rows, scale, **launch):
+    """Run once on a copy and compare CHECK_ROWS with the float64 formulas; False (and a message) on mismatch."""
+    rows = torch.tensor(CHECK_ROWS, device=inputs[0].device) % inputs[0].shape[0]
+    picked = [t[rows] for t in inputs]
+    x64 = picked[0].double().requires_grad_()
+    expected = reference_rows(x64, *picked[1:])
+    (expected_grad,) = torch.autograd.grad(expected, x64, torch.full_like(expected, scale))
+    x = inputs[0].clone()
+    loss = run(x, *inputs[1:], **launch)
+    loss_err = (loss[rows].double() - expected.detach()).abs().max().item()
+    grad_err = (x[rows].double() - expected_grad).abs() / (expected_grad.abs() + 1e-3 * expected_grad.abs().max())
+    grad_err = grad_err.max().item()
+    ok = loss_err <= 1e-3 and grad_err <= 2e-2
+    if not ok:
+        print(f"MISMATCH {name} {launch or ''}: max |loss err| {loss_err:.3e}, max rel grad err {grad_err:.3e}",
+              file=sys.stderr)
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--peak-gbs", type=float, default=4300.0, help="HBM bandwidth to compare with (GB/s)")
+    parser.add_argument("--sweep", action="store_true", help="also time (BLOCK, num_warps, num_stages) variants")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs | torch {torch.__version__}, triton {triton.__version__} | "
+          f"C={args.rows} V={args.vocab} {args.dtype} | peak {args.peak_gbs:.0f} GB/s")
+
+    all_ok = True
+    header = f"{'kernel':<18}{'config':>14}{'ms':>9}{'model GB':>10}{'GB/s':>8}{'% peak':>8}{'min GB':>8}{'GB/s':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, passes, make, run, reference_rows in cases(args.rows, args.vocab, dtype):
+        inputs = make()
+        model, minimum = traffic(inputs, passes)
+        for config in [None] + (SWEEP if args.sweep else []):
+            launch = {} if config is None else dict(zip(("block_size", "num_warps", "num_stages"), config))
+            label = "default" if config is None else "/".join(map(str, config))
+            try:
+                ok = check(name, inputs, run, reference_rows, 1.0 / args.rows, **launch)
+            except triton.runtime.errors.OutOfResources as e:  # a sweep point too large for this GPU
+                print(f"{name:<18}{label:>14}  skipped: {e}")
+                continue
+            all_ok &= ok
+            ms = do_bench(lambda: run(*inputs, **launch), warmup=25, rep=200)
+            gbs = model / ms / 1e6
+            print(f"{name:<18}{label:>14}{ms:9.3f}{model / 1e9:10.2f}{gbs:8.0f}{100 * gbs / args.peak_gbs:7.0f}%"
+                  f"{minimum / 1e9:8.2f}{minimum / ms / 1e6:8.0f}{'' if ok else '  MISMATCH'}")
+        del inputs
+        torch.cuda.empty_cache()
+    if not all_ok:
+        print("FAILED: at least one kernel does not match the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The Triton loss kernels beyond what the registry-driven conformance suite covers: several blocks a row with a
+ragged last one, row strides wider than V, every grad_scale form, mixed options, dtypes, inputs never written.
+
+On the CPU they run under TRITON_INTERPRET=1 with tiny shapes and forced small blocks; `pytest -m gpu` adds the
+real vocabularies and a chunk whose C * V exceeds 2^31.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows  # noqa: E402
+from liger_dispatch.backends.triton import _support  # noqa: E402
+from liger_dispatch.backends.triton.ce import ce_loss_and_grad  # noqa: E402
+from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad  # noqa: E402
+from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IGNORE = -100
+C, V, BLOCK = 6, 300, 64  # 5 blocks a row, the last holding 44 columns
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# gradient tolerances: fp32 math on logits up to ~30 (exp amplifies their rounding), then one rounding to the dtype
+GRAD_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-4), torch.float16: (2e-3, 1e-5)}
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(hash(request.node.name) % 2**31)
+
+
+def logits(rows=C, vocab=V, dtype=torch.float32, scale=4.0, row_stride=None):
+    """Random logits; with row_stride > vocab, a view into a wider buffer whose padding holds a sentinel."""
+    buffer = torch.full((rows, row_stride or vocab), 7.0, dtype=dtype, device=DEVICE)
+    view = buffer[:, :vocab]
+    view.copy_(torch.randn(rows, vocab, device=DEVICE) * scale)
+    return view
+
+
+def labels(rows=C, vocab=V, ignored=(1,)):
+    out = torch.randint(0, vocab, (rows,), device=DEVICE)
+    out[list(ignored)] = IGNORE
+    return out
+
+
+def reference(rows_fn, x, grad_scale=None):
+    """float64 per-row loss and grad_scale * d loss_i / d x_i of the spec's formulas."""
+    x64 = x.detach().double().requires_grad_()
+    rows = rows_fn(x64)
+    scale = torch.ones_like(rows) if grad_scale is None else grad_scale.double().expand_as(rows)
+    (grad,) = torch.autograd.grad(rows, x64, scale)
+    return rows.detach(), grad
+
+
+def check(loss, grad, expected_loss, expected_grad):
+    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-5, atol=2e-5)
+    rtol, atol = GRAD_TOL[grad.dtype]
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
+
+
+def run_ce(x, target, grad_scale=None, block=BLOCK, **options):
+    expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE, **options), x, grad_scale)
+    loss = ce_loss_and_grad(x, target, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block, **options)
+    check(loss, x, *expected)
+
+
+def run_jsd(student, teacher, lab, grad_scale=None, block=BLOCK, **options):
+    teacher_before = teacher.clone()
+    expected = reference(lambda s: jsd_rows(s, teacher, lab, ignore_index=IGNORE, **options), student, grad_scale)
+    loss = jsd_loss_and_grad(student, teacher, lab, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block,
+                             **options)
+    check(loss, student, *expected)
+    assert torch.equal(teacher, teacher_before)
+
+
+def run_kl(student, target, lab, grad_scale=None, block=BLOCK, **options):
+    target_before = target.clone()
+    expected = reference(lambda s: kl_div_rows(s, target, lab, ignore_index=IGNORE, **options), student, grad_scale)
+    loss = kl_div_loss_and_grad(student, target, lab, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block,
+                                **options)
+    check(loss, student, *expected)
+    assert torch.equal(target, target_before)
+
+
+def probabilities(rows=C, vocab=V, dtype=torch.float32, zeros=20):
+    """Target probabilities with exact zeros in the first `zeros` columns."""
+    p = torch.softmax(torch.randn(rows, vocab, device=DEVICE) * 3.0, dim=-1)
+    p[:, :zeros] = 0.0
+    return (p / p.sum(-1, keepdim=True)).to(dtype)
+
+
+def grad_scale_of(kind):
+    return {
+        "none": None,
+        "scalar": torch.tensor(0.37, device=DEVICE),
+        "per_row": torch.rand(C, device=DEVICE) + 0.1,
+        "expanded": torch.tensor(0.5, device=DEVICE).expand(C),
+    }[kind]
+
+
+# ---------------------------------------------------------------- several blocks, ragged last block, row strides
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_stride", [None, V + 37])
+def test_ce_blocks_and_row_stride(dtype, row_stride):
+    x = logits(dtype=dtype, row_stride=row_stride)
+    run_ce(x, labels())
+    if row_stride:
+        assert bool((x.as_strided((C, row_stride), (row_stride, 1))[:, V:] == 7.0).all()), "padding was written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jsd_blocks_and_row_stride(dtype):
+    student, teacher = logits(dtype=dtype, row_stride=V + 13), logits(dtype=dtype, row_stride=V + 5)
+    run_jsd(student, teacher, labels(), beta=0.5, temperature=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kl_blocks_and_row_stride(dtype):
+    run_kl(logits(dtype=dtype, row_stride=V + 21), probabilities(dtype=dtype), labels())
+
+
+def test_max_moving_every_block():
+    """Rows that grow along V move the running max in every block, so every block rescales the sums."""
+    ramp = torch.linspace(-30.0, 30.0, V, device=DEVICE).expand(C, V) + torch.randn(C, V, device=DEVICE)
+    run_ce(ramp.clone(), labels(ignored=()), label_smoothing=0.1)
+    run_jsd(ramp.clone(), ramp.flip(-1).contiguous(), None, beta=0.0)
+    run_jsd(ramp.clone(), ramp.flip(-1).contiguous(), None, beta=1.0)
+    run_kl(ramp.clone(), probabilities(), None)
+
+
+def test_strided_labels_and_single_block():
+    target = labels(rows=2 * C)[::2]
+    run_ce(logits(), target, block=512)  # one block covers the row
+
+
+# ---------------------------------------------------------------- grad_scale: None, 0-d, per row, expanded view
+
+
+@pytest.mark.parametrize("kind", ["none", "scalar", "per_row", "expanded"])
+def test_grad_scale_forms(kind):
+    scale = grad_scale_of(kind)
+    run_ce(logits(), labels(), scale)
+    run_jsd(logits(), logits(), labels(), scale, beta=0.3, temperature=1.5)
+    run_kl(logits(), probabilities(), labels(), scale, temperature=1.5)
+
+
+# ---------------------------------------------------------------- ignored rows
+
+
+def test_all_rows_ignored():
+    everything = tuple(range(C))
+    for run, x, args in [
+        (run_ce, logits(), (labels(ignored=everything),)),
+        (run_jsd, logits(), (logits(), labels(ignored=everything))),
+        (run_kl, logits(), (probabilities(), labels(ignored=everything))),
+    ]:
+        options = {"beta": 0.5} if run is run_jsd else {}
+        run(x, *args, grad_scale_of("scalar"), **options)
+        assert bool((x == 0).all())
+
+
+def test_empty_chunk():
+    x = logits(rows=0)
+    assert ce_loss_and_grad(x, labels(rows=0, ignored=())).shape == (0,)
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ce_softcap_smoothing_and_z_loss_together(dtype):
+    x = logits(dtype=dtype, scale=20.0)  # softcap 30 bends these
+    run_ce(x, labels(ignored=(0, 3)), grad_scale_of("per_row"), softcap=30.0, label_smoothing=0.1,
+           lse_square_scale=1e-2)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_jsd_beta_and_temperature(beta, temperature):
+    run_jsd(logits(dtype=torch.bfloat16), logits(), labels(ignored=(2,)), grad_scale_of("scalar"), beta=beta,
+            temperature=temperature)
+
+
+def test_jsd_identical_distributions_are_zero():
+    x = logits()
+    for beta in (0.0, 0.5, 1.0):
+        student = x.clone()
+        loss = jsd_loss_and_grad(student, x, None, beta=beta, temperature=2.0, block_size=BLOCK)
+        torch.testing.assert_close(loss, torch.zeros_like(loss), atol=1e-6, rtol=0)
+        torch.testing.assert_close(student, torch.zeros_like(student), atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("log_target", [False, True])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+def test_kl_zero_probabilities(log_target, target_dtype):
+    target = probabilities(dtype=target_dtype)
+    if log_target:
+        target = target.float().log().to(target_dtype)  # -inf where the probability is 0
+    run_kl(logits(dtype=torch.bfloat16), target, labels(ignored=(4,)), grad_scale_of("per_row"),
+           temperature=2.0, log_target=log_target)
+
+
+def test_kl_eps_clamps_tiny_probabilities():
+    target = probabilities()
+    target[:, 20:40] = 1e-30
+    run_kl(logits(), target, None, eps=1e-8)
+
+
+# ---------------------------------------------------------------- launch configuration and capability
+
+
+def test_launch_configuration():
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    fp32 = torch.empty(0, dtype=torch.float32)
+    assert _support.row_launch(128256, bf16) == dict(BLOCK=8192, NUM_STAGES=_support.NUM_STAGES, num_warps=16)
+    assert _support.row_launch(128256, bf16, fp32)["BLOCK"] == 4096  # the widest input sets the block
+    assert _support.row_launch(300, bf16) == dict(BLOCK=512, NUM_STAGES=_support.NUM_STAGES, num_warps=1)
+    assert _support.row_launch(300, bf16, block_size=64, num_warps=2, num_stages=1) == dict(
+        BLOCK=64, NUM_STAGES=1, num_warps=2)
+
+
+def test_capability_accepts_cpu_only_under_the_interpreter():
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    assert ("cpu" in _support.CAPABILITY.devices) == interpreting
+    assert "cuda" in _support.CAPABILITY.devices
+
+
+# ---------------------------------------------------------------- GPU: real vocabularies, C * V > 2^31
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [128256, 262208])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_real_vocab(vocab, dtype):
+    rows = 16
+    target = labels(rows, vocab, ignored=(3,))
+    run_ce(logits(rows, vocab, dtype=dtype), target, grad_scale_of("scalar"), block=None, label_smoothing=0.1)
+    run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.5,
+            temperature=2.0)
+    run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.0)
+    run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab, dtype=dtype), target, block=None)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_past_2_pow_31_elements():
+    """C * V = 8320 * 262208 > 2^31: the last rows start past the 32-bit offset range."""
+    rows, vocab = 8320, 262208
+    assert rows * vocab > 2**31
+    x = torch.randn(rows, vocab, device=DEVICE, dtype=torch.bfloat16)
+    tail = slice(rows - 3, rows)
+    target = labels(rows, vocab, ignored=(rows - 2,))
+    before = x[tail].clone()
+    loss = ce_loss_and_grad(x, target, ignore_index=IGNORE)
+    check(loss[tail], x[tail], *reference(lambda z: ce_rows(z, target[tail], ignore_index=IGNORE), before))
+
+    teacher = torch.randn_like(x)
+    x[tail] = before
+    loss = jsd_loss_and_grad(x, teacher, target, beta=0.5, ignore_index=IGNORE)
+    expected = reference(lambda s: jsd_rows(s, teacher[tail], target[tail], beta=0.5, ignore_index=IGNORE), before)
+    check(loss[tail], x[tail], *expected)
+
+    x[tail] = before  # the teacher read as log-probabilities (unnormalized: the formula does not need them to be)
+    loss = kl_div_loss_and_grad(x, teacher, target, ignore_index=IGNORE, log_target=True)
+    expected = reference(
+        lambda s: kl_div_rows(s, teacher[tail], target[tail], ignore_index=IGNORE, log_target=True), before)
+    check(loss[tail], x[tail], *expected)
