@@ -1,0 +1,240 @@
+"""One case for every provider: a correctness check against the eager formula on fresh inputs, then
+time and peak memory of the providers that pass, on other inputs.
+
+A provider that fails the check is reported FAIL and not timed; running out of memory is OOM; a
+size a provider cannot fit or finish (predicted from the smaller sizes of this run) is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from benchmarks import check, shapes, timing, workloads
+from benchmarks.peers import Unsupported
+from benchmarks.providers import EAGER, Provider, formula
+from benchmarks.shapes import Case
+
+OK, FAIL, OOM, SKIPPED, NOT_APPLICABLE = "ok", "FAIL", "OOM", "skipped", "n/a"
+MAX_INPUT_COPIES = 8
+# Calls one timed row makes: check, first call, do_bench's estimate and warm-up, min_reps, memory.
+CALLS_PER_ROW = 14
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    warmup_ms: float
+    rep_ms: float
+    max_row_s: float  # skip a size predicted to keep one row busy longer than this
+    deadline: float  # time.monotonic() after which the remaining rows are skipped
+    matmul_tflops: float
+    copy_gbps: float
+    l2_bytes: int
+    seed: int = 0
+
+
+@dataclass
+class Outcome:
+    status: str
+    timing: Optional[timing.Timing] = None
+    peak_mb: Optional[float] = None
+    errors: tuple[float, float] = (math.nan, math.nan)
+    notes: list[str] = field(default_factory=list)
+
+
+class ContextLost(RuntimeError):
+    """The device is unusable after a provider's error (an illegal address, say): nothing after it can run."""
+
+
+class History:
+    """What each provider did at the smaller sizes of this run."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple, tuple[int, Outcome]] = {}
+
+    @staticmethod
+    def _key(case: Case, provider: str) -> tuple:
+        return case.op, case.shape, case.dtype, case.mode, provider
+
+    def record(self, case: Case, provider: str, outcome: Outcome) -> None:
+        if outcome.status in (OK, OOM):
+            self._last[self._key(case, provider)] = (case.n, outcome)
+
+    def skip_reason(self, case: Case, provider: str, s: Settings) -> Optional[str]:
+        if time.monotonic() > s.deadline:
+            return "time budget of the run spent (--time-budget-s)"
+        last = self._last.get(self._key(case, provider))
+        if last is None or last[0] >= case.n:
+            return None
+        n, outcome = last
+        if outcome.status == OOM:
+            return f"OOM at {n}"
+        scale = case.n / n
+        row_s = outcome.timing.ms * scale * CALLS_PER_ROW / 1e3
+        if row_s > s.max_row_s:
+            return f"predicted {row_s:.0f} s for this row from {outcome.timing.ms:.0f} ms at {n} (--max-row-s)"
+        free = timing.free_bytes(s.device)
+        if outcome.peak_mb is not None and free is not None and outcome.peak_mb * 2**20 * scale > 0.9 * free:
+            need = outcome.peak_mb * scale / 1024
+            return f"predicted {need:.0f} GB above its inputs from {outcome.peak_mb / 1024:.1f} GB at {n}; {free / 2**30:.0f} GB free"
+        return None
+
+
+def measure_case(case: Case, providers: list[Provider], s: Settings, history: History,
+                 done: Callable[[Provider, Outcome], None]) -> None:
+    """Measure `case` for every provider, calling done(provider, outcome) as each row is settled."""
+
+    def finish(p: Provider, outcome: Outcome) -> None:
+        if p.note:
+            outcome.notes.insert(0, p.note)
+        history.record(case, p.name, outcome)
+        done(p, outcome)
+
+    passed: list[tuple[Provider, Callable, tuple[float, float]]] = []
+    checked_at = case.n
+    try:
+        check_inputs, want, checked_at = _reference(case, s)
+    except Exception as exc:  # no reference at any size: every provider of this case fails
+        _ensure_device(s.device, "the eager reference")
+        for p in providers:
+            finish(p, Outcome(FAIL, notes=[f"no eager reference: {_describe(exc)}"]))
+        return
+    for p in providers:
+        reason = history.skip_reason(case, p.name, s)
+        if reason:
+            finish(p, Outcome(SKIPPED, notes=[reason]))
+            continue
+        outcome, fn, errors = _check(p, case, check_inputs, want, checked_at, s)
+        if outcome is None:
+            passed.append((p, fn, errors))
+        else:
+            finish(p, outcome)
+    del check_inputs, want
+    _cleanup(s.device)
+
+    note = [] if checked_at == case.n else [f"checked at {checked_at}"]
+    sets = _input_sets(case, s) if passed else []
+    if len(sets) > 1:
+        note.append(f"inputs rotated over {len(sets)} sets")
+    leaves = [leaf for inputs in sets for leaf in inputs.leaves]
+    for p, fn, errors in passed:
+        reason = history.skip_reason(case, p.name, s)
+        if reason:
+            finish(p, Outcome(SKIPPED, errors=errors, notes=[reason]))
+            continue
+        outcome = None
+        try:
+            step = _step(fn, sets, case.mode)
+            result = timing.bench(step, leaves, s.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms)
+            peak = timing.peak_mb(step, leaves, s.device)
+            outcome = Outcome(OK, result, peak, errors, list(note))
+        except Exception as exc:
+            outcome = Outcome(OOM if _is_oom(exc) else FAIL, errors=errors, notes=[f"while timing: {_describe(exc)}"])
+        step = None
+        for leaf in leaves:
+            leaf.grad = None
+        _cleanup(s.device)
+        _ensure_device(s.device, p.name)
+        finish(p, outcome)
+
+
+def _reference(case: Case, s: Settings):
+    """(check inputs, the eager formula's result on them, N they are at): halves N while it runs out of memory."""
+    at = case
+    while True:
+        inputs = workloads.make_inputs(at, s.device, s.seed + 1)
+        try:
+            return inputs, check.run(formula(case.op), inputs, case.mode), at.n
+        except Exception as exc:
+            if not _is_oom(exc) or shapes.halved(at) is None:
+                raise
+        inputs = None
+        _cleanup(s.device)
+        at = shapes.halved(at)
+
+
+def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
+    """(failing outcome or None, the provider's callable, (output error, gradient error))."""
+    if p.name == EAGER and checked_at == case.n:
+        return None, p.build(case), (0.0, 0.0)  # it is the reference
+    failed = None
+    try:
+        fn = p.build(case)
+        errors = check.compare(check.run(fn, inputs, case.mode), want)
+    except Unsupported as exc:
+        return Outcome(NOT_APPLICABLE, notes=[str(exc)]), None, None
+    except Exception as exc:
+        failed = Outcome(OOM if _is_oom(exc) else FAIL, notes=[f"while checking: {_describe(exc)}"])
+    if failed is not None:  # outside the except block, so the traceback's tensors can be freed
+        _cleanup(s.device)
+        _ensure_device(s.device, p.name)
+        return failed, None, None
+    if not check.passes(errors, case.dtype):
+        tol = check.TOLERANCE[case.dtype]
+        return Outcome(FAIL, errors=errors, notes=[f"error above {tol:g} (output {errors[0]:.2e}, "
+                                                   f"gradients {errors[1]:.2e})"]), None, None
+    return None, fn, errors
+
+
+def _input_sets(case: Case, s: Settings) -> list[workloads.Inputs]:
+    """Inputs for timing, several sets when one would fit in L2 and make it look faster."""
+    first = workloads.make_inputs(case, s.device, s.seed + 2)
+    copies = min(MAX_INPUT_COPIES, max(1, math.ceil(2 * s.l2_bytes / first.nbytes())))
+    return [first] + [workloads.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
+
+
+def _step(fn: Callable, sets: list[workloads.Inputs], mode: str) -> Callable[[], None]:
+    """One timed repetition on the next input set."""
+    if mode == "bwd":
+        # The forward graphs are built once, outside the timing; backward keeps them for the next turn.
+        graphs = itertools.cycle([(workloads.forward(fn, inputs), inputs) for inputs in sets])
+
+        def backward_only() -> None:
+            out, inputs = next(graphs)
+            workloads.backward(out, inputs, retain_graph=True)
+
+        return backward_only
+    turn = itertools.cycle(sets)
+    if mode == "fwd":
+        def forward_only() -> None:
+            with torch.no_grad():
+                workloads.forward(fn, next(turn))
+
+        return forward_only
+
+    def forward_backward() -> None:
+        inputs = next(turn)
+        workloads.backward(workloads.forward(fn, inputs), inputs)
+
+    return forward_backward
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _cleanup(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ensure_device(device: torch.device, after: str) -> None:
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        raise ContextLost(f"the CUDA context is unusable after {after}: {_describe(exc)}") from exc

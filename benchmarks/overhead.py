@@ -1,0 +1,68 @@
+"""dispatch_overhead: what a call through a `dispatch.op` handle costs on top of the function it selects.
+
+A trivially cheap backend ("bench-noop", returning a preallocated tensor) is registered for flce at
+a priority nothing else loses to, so only a handle pinned to it selects it; the handle's per-call
+cost (input checks and the memoized selection) is then compared with calling the function directly.
+Registration lasts for the process, so this runs after every other op.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from benchmarks import timing
+from benchmarks.measure import OK, Outcome
+
+NOOP_BACKEND = "bench-noop"
+GOAL_NS = 3000
+_REPEATS = 7
+_LOOP_S = 0.02
+
+
+def _loop_ns(fn: Callable, args: tuple, calls: int, device: torch.device) -> float:
+    timing.synchronize(device)
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn(*args)
+    timing.synchronize(device)
+    return (time.perf_counter_ns() - start) / calls
+
+
+def per_call_ns(fn: Callable, args: tuple, device: torch.device) -> timing.Timing:
+    """ns per call (in the Timing's fields) over several loops of about _LOOP_S each."""
+    calls = max(1, int(_LOOP_S * 1e9 / _loop_ns(fn, args, 200, device)))
+    return timing.summarize([_loop_ns(fn, args, calls, device) for _ in range(_REPEATS)])
+
+
+def measure(device: torch.device) -> list[tuple[str, Outcome]]:
+    import liger_dispatch as ld
+    from liger_dispatch import dispatch
+
+    result = torch.ones((), device=device)
+
+    def noop(input, weight, target, bias=None, **kwargs):
+        return result
+
+    ld.register_backend("flce", backend=NOOP_BACKEND, priority=1 << 20,
+                        capability=ld.Capability(devices=(device.type,)))(noop)
+    gen = torch.Generator(device=device).manual_seed(0)
+    args = (torch.randn(8, 16, device=device, generator=gen).bfloat16(),
+            torch.randn(32, 16, device=device, generator=gen).bfloat16(),
+            torch.randint(0, 32, (8,), device=device, generator=gen))
+    handle = dispatch.op("flce", backend=NOOP_BACKEND)
+    handle(*args)  # resolves and memoizes the selection
+    bare = per_call_ns(noop, args, device)
+    through = per_call_ns(handle, args, device)
+    extra = through.ms - bare.ms
+    verdict = "meets" if extra <= GOAL_NS else "misses"
+    note = (f"{through.ms:.0f} ns per call = the bare call + {extra:.0f} ns ({through.ms / bare.ms:.1f}x); "
+            f"{verdict} the goal of <= {GOAL_NS} ns overhead")
+    return [("bare call", Outcome(OK, _in_ms(bare), notes=["the noop function called directly"])),
+            ("dispatch.op handle", Outcome(OK, _in_ms(through), notes=[note]))]
+
+
+def _in_ms(t: timing.Timing) -> timing.Timing:
+    return timing.Timing(t.ms / 1e6, t.p20 / 1e6, t.p80 / 1e6)

@@ -1,0 +1,144 @@
+"""The providers a benchmark compares: our backends through dispatch, torch eager, torch.compile, the peers.
+
+A provider turns a Case into a callable with the project's signature for that op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from benchmarks import peers
+from benchmarks.env import version
+from benchmarks.shapes import LM_OPS, Case
+
+EAGER = "torch"
+COMPILED = "torch.compile"
+REFERENCE = "reference"
+# Arguments whose first dimension is N: kept dynamic so one compilation serves the whole N sweep.
+_ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3)}
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    build: Callable[[Case], Callable]
+    note: str = ""
+
+
+def formula(op: str) -> Callable:
+    """The eager formula of `op`: the torch provider, and the reference every provider is checked against."""
+    from liger_dispatch.backends.reference import formulas
+
+    return getattr(formulas, op)
+
+
+def _eager(case: Case) -> Callable:
+    return formula(case.op)
+
+
+class _Compiled:
+    """torch.compile of the eager formula, one per op; dynamo recompiles once per shape preset, dtype and
+    grad mode (never per N), and the compilation happens in the check call, before any timing."""
+
+    def __init__(self) -> None:
+        self._fns: dict[str, Callable] = {}
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def __call__(self, case: Case) -> Callable:
+        fn = self._fns.get(case.op)
+        if fn is None:
+            fn = self._fns[case.op] = self._compile(case.op)
+        return fn
+
+    @staticmethod
+    def _compile(op: str) -> Callable:
+        compiled = torch.compile(formula(op))
+        rows = _ROW_ARGS.get(op, ())
+
+        def call(*args, **kwargs):
+            for i in rows:
+                if isinstance(args[i], torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(args[i], 0)
+            return compiled(*args, **kwargs)
+
+        return call
+
+
+def _dispatched(backend: str) -> Callable[[Case], Callable]:
+    def build(case: Case) -> Callable:
+        from liger_dispatch import dispatch
+
+        return dispatch.op(case.op, backend=backend)
+
+    return build
+
+
+def _peer(name: str) -> Callable[[Case], Callable]:
+    def build(case: Case) -> Callable:
+        return peers.PEERS[name].adapter(case.op)
+
+    return build
+
+
+def _our_backends(op: str, device: torch.device, dtype: torch.dtype) -> tuple[list[str], dict[str, str]]:
+    """(backends usable here, best first; {backend: why not} for the registered others)."""
+    from liger_dispatch import dispatch
+
+    try:
+        usable = dispatch.available_backends(op, device=device.type, dtype=dtype)
+    except KeyError as exc:  # the op is not declared (yet): say so, time the others
+        return [], {"liger_dispatch": str(exc)}
+    reasons = dispatch.backend_status(op, device.type, dtype)
+    return usable, {b: reason for b, reason in reasons.items() if b not in usable}
+
+
+def resolve(op: str, device: torch.device, dtype: torch.dtype,
+            requested: Optional[Sequence[str]] = None) -> tuple[list[Provider], list[tuple[str, str]]]:
+    """The providers to time for `op`, in table order, and (name, reason) for each one that cannot run.
+
+    Without `requested`: every usable backend but the reference, torch, torch.compile and every
+    installed peer that has this op. With it: exactly those names (the reference included, if asked).
+    """
+    usable, not_usable = _our_backends(op, device, dtype)
+    chosen: list[Provider] = []
+    skipped: list[tuple[str, str]] = []
+    ours = [b for b in usable if requested is not None or b != REFERENCE]
+    for backend in ours:
+        chosen.append(Provider(backend, _dispatched(backend)))
+    for backend, reason in not_usable.items():
+        if requested is None or backend in requested:
+            skipped.append((backend, f"not available: {reason}"))
+    chosen += [Provider(EAGER, _eager), Provider(COMPILED, _Compiled())]
+    for name, peer in peers.PEERS.items():
+        if op not in peer.ops:
+            if requested is not None:
+                skipped.append((name, f"has no {op}"))
+            continue
+        reason = peers.unavailable(name, device)
+        if reason is not None:
+            skipped.append((name, reason))
+        else:
+            chosen.append(Provider(name, _peer(name), f"{peer.distribution} {version(peer.distribution)}"))
+    if requested is not None:
+        order = {name: i for i, name in enumerate(requested)}
+        chosen = sorted((p for p in chosen if p.name in order), key=lambda p: order[p.name])
+        skipped = [(n, r) for n, r in skipped if n in order]
+        seen = {p.name for p in chosen} | {n for n, _ in skipped}
+        skipped += [(n, f"has no {op} here") for n in requested if n not in seen]
+    return chosen, skipped
+
+
+def known_names() -> set[str]:
+    """Every provider name a user may ask for (our backends as registered for any op)."""
+    from liger_dispatch import dispatch
+
+    names = {EAGER, COMPILED, REFERENCE, *peers.PEERS}
+    for op in (*LM_OPS, "mhc_coeffs"):
+        try:
+            names.update(dispatch.registered_backends(op))
+        except KeyError:  # an op not declared (yet)
+            pass
+    return names

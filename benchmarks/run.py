@@ -1,0 +1,186 @@
+"""python -m benchmarks.run: time every provider of the requested ops, write <gpu>.csv, <gpu>.md and plots.
+
+    python -m benchmarks.run --ops flce --shapes llama3 --n 1024 4096
+    python -m benchmarks.run --ops all --shapes tiny          # the CPU, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from benchmarks import env as environment
+from benchmarks import measure, overhead, providers, report, shapes, timing, workloads
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _listed(values: list[str] | None) -> list[str] | None:
+    """Space- or comma-separated lists: `--ops flce,fused_linear_jsd` == `--ops flce fused_linear_jsd`."""
+    if values is None:
+        return None
+    return [v for value in values for v in value.split(",") if v]
+
+
+def _check_choices(parser: argparse.ArgumentParser, flag: str, values: list[str], choices) -> None:
+    bad = [v for v in values if v not in choices]
+    if bad:
+        parser.error(f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(sorted(choices))})")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ops", nargs="+", default=["all"], help=f"any of {', '.join(shapes.OPS)}, or all")
+    p.add_argument("--shapes", nargs="+", help=f"presets: {', '.join(shapes.LM_PRESETS)} "
+                   "(default: llama3 on a GPU, tiny on the CPU)")
+    p.add_argument("--n", nargs="+", type=int, help="N sweep of the LM-head ops (default: the preset's)")
+    p.add_argument("--tc", nargs="+", type=shapes.parse_tc, help="TxC points of mhc_coeffs, e.g. 512x1024")
+    p.add_argument("--dtypes", nargs="+", default=["bf16"], help=f"any of {', '.join(shapes.DTYPES)}")
+    p.add_argument("--providers", nargs="+", help="our backends by name (reference too), torch, torch.compile, "
+                   "liger-kernel, cut-cross-entropy, quack (default: all that can run, but the reference)")
+    p.add_argument("--mode", nargs="+", default=["fwd+bwd"], help=f"any of {', '.join(shapes.MODES)}")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=150.0, help="do_bench repetition time per row")
+    p.add_argument("--max-row-s", type=float, default=60.0,
+                   help="skip a size predicted (from the smaller ones) to keep one row busy longer")
+    p.add_argument("--time-budget-s", type=float, default=math.inf,
+                   help="after this, the remaining rows are skipped (results are written as they come)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.ops = _listed(args.ops)
+    if args.ops == ["all"]:
+        args.ops = list(shapes.OPS)
+    _check_choices(p, "--ops", args.ops, shapes.OPS)
+    args.ops.sort(key=shapes.OPS.index)  # dispatch_overhead registers a backend: it runs last
+    args.shapes = _listed(args.shapes)
+    if args.shapes:
+        _check_choices(p, "--shapes", args.shapes, shapes.LM_PRESETS)
+    args.dtypes = _listed(args.dtypes)
+    _check_choices(p, "--dtypes", args.dtypes, shapes.DTYPES)
+    args.mode = _listed(args.mode)
+    _check_choices(p, "--mode", args.mode, shapes.MODES)
+    args.providers = _listed(args.providers)
+    if args.providers:
+        _check_choices(p, "--providers", args.providers, providers.known_names())
+    return args
+
+
+def _plan(args, device: torch.device, console: Console):
+    """[(case, providers to measure, (name, reason) of those that cannot run)] in run order."""
+    plan = []
+    for op in args.ops:
+        if op == report.OVERHEAD:
+            continue
+        for dtype_name in args.dtypes:
+            dtype = shapes.DTYPES[dtype_name]
+            chosen, skipped = providers.resolve(op, device, dtype, args.providers)
+            console.print(f"[bold]{op}[/] {dtype_name}: " + (", ".join(p.name for p in chosen) or "no provider"))
+            for name, reason in skipped:
+                console.print(f"  {name}: {reason}")
+            for case in shapes.cases(op, args.shapes, args.n, args.tc, [dtype], args.mode):
+                plan.append((case, chosen, skipped))
+    return plan
+
+
+def _line(r: dict[str, str]) -> str:
+    parts = [f"{r['op']} {r['shape']} {r['n']} {r['dtype']} {r['mode']} {r['provider']}: {r['status']}"]
+    if r["ms"]:
+        parts.append(f"{float(r['ms']):.4g} ms")
+    if r["x_roofline"]:
+        parts.append(f"{float(r['x_roofline']):.2f}x roofline")
+    if r["peak_mb"]:
+        parts.append(f"{float(r['peak_mb']):.0f} MB")
+    if r["note"]:
+        parts.append(f"({r['note']})")
+    return " ".join(parts)
+
+
+def _summary(rows: list[dict[str, str]]) -> Table:
+    table = Table("op", "shape", "n", "dtype", "mode", "provider", "status", "ms", "x roofline", "peak MB",
+                  title="this run")
+    for r in rows:
+        if r["status"] == report.UNAVAILABLE:
+            continue
+        table.add_row(r["op"], r["shape"], r["n"], r["dtype"], r["mode"], r["provider"], r["status"],
+                      r["ms"] and f"{float(r['ms']):.4g}", r["x_roofline"] and f"{float(r['x_roofline']):.2f}",
+                      r["peak_mb"] and f"{float(r['peak_mb']):.0f}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # A pinned backend that cannot serve a call must fail, not be timed under its name as the reference.
+    os.environ["LIGER_STRICT"] = "1"
+    args = parse_args(argv)
+    started = time.monotonic()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.shapes = args.shapes or (["llama3"] if device.type == "cuda" else ["tiny"])
+    env = environment.collect(device, argv)
+    console = Console(soft_wrap=True)
+    if not console.is_terminal:  # logs of a device run: no wrapping at 80 columns
+        console.width = 160
+    console.print(f"{env.gpu} | driver {env.driver} | " + " | ".join(f"{k} {v}" for k, v in env.versions.items()))
+    tflops, gbps = timing.matmul_tflops(device), timing.copy_gbps(device)
+    console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
+    settings = measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
+                                tflops, gbps, timing.l2_bytes(device), args.seed)
+    plan = _plan(args, device, console)
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / f"{env.gpu_short}.csv"
+    history = measure.History()
+    this_run: list[dict[str, str]] = []
+    total = sum(len(chosen) + len(skipped) for _, chosen, skipped in plan) + 2 * (report.OVERHEAD in args.ops)
+    status = 0
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("benchmarks", total=total)
+
+        def settle(case, name, outcome, roofline_ms=None):
+            r = report.row(case, name, outcome, env, tflops, gbps, roofline_ms)
+            this_run.append(r)
+            progress.console.print(_line(r))
+            progress.advance(task)
+
+        try:
+            for case, chosen, skipped in plan:
+                progress.update(task, description=f"{case.op} {case.shape} {case.n} {case.dtype_name} {case.mode}")
+                flops, nbytes = workloads.work(case)
+                roofline_ms = max(flops / (tflops * 1e12), nbytes / (gbps * 1e9)) * 1e3
+                first = len(this_run)
+                for name, reason in skipped:
+                    settle(case, name, measure.Outcome(report.UNAVAILABLE, notes=[reason]))
+                measure.measure_case(case, chosen, settings, history,
+                                     lambda p, outcome: settle(case, p.name, outcome, roofline_ms))
+                report.merge_csv(csv_path, this_run[first:])
+            if report.OVERHEAD in args.ops:
+                progress.update(task, description=report.OVERHEAD)
+                case = shapes.Case(report.OVERHEAD, "-", 0, (), torch.bfloat16, "call")
+                first = len(this_run)
+                for name, outcome in overhead.measure(device):
+                    settle(case, name, outcome)
+                report.merge_csv(csv_path, this_run[first:])
+        except measure.ContextLost as exc:
+            console.print(f"[red]stopped: {exc}[/]; rerun without that provider (--providers)")
+            status = 1
+    all_rows = report.read_csv(csv_path)
+    report.write_markdown(args.out / f"{env.gpu_short}.md", all_rows)
+    plots = report.write_plots(args.out, env.gpu_short, all_rows)
+    console.print(_summary(this_run))
+    console.print(f"wrote {csv_path}, {args.out / (env.gpu_short + '.md')} and {len(plots)} plots "
+                  f"in {time.monotonic() - started:.0f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Timing and memory of one callable, and the machine's two ceilings (matmul rate, copy bandwidth).
+
+On a GPU: CUDA events through triton.testing.do_bench (it also flushes L2 before every repetition),
+gradients set to None between repetitions. On the CPU (the harness's own tests): a host clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+QUANTILES = (0.5, 0.2, 0.8)
+DEFAULT_L2_BYTES = 60 * 2**20
+
+
+@dataclass(frozen=True)
+class Timing:
+    ms: float
+    p20: float
+    p80: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _reset(grads: Sequence[torch.Tensor]) -> None:
+    for t in grads:
+        t.grad = None
+
+
+def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
+          min_reps: int = 5) -> Timing:
+    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions."""
+    _reset(grads)
+    estimate = wall_ms(fn, device)  # also the first warm-up call
+    rep_ms = max(rep_ms, min_reps * estimate)
+    if device.type == "cuda":
+        import triton.testing
+
+        ms, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grads),
+                                               quantiles=list(QUANTILES))
+        return Timing(ms, p20, p80)
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < min_reps or time.perf_counter() < deadline:
+        _reset(grads)
+        times.append(wall_ms(fn, device))
+    return summarize(times)
+
+
+def summarize(values: Sequence[float]) -> Timing:
+    """Median, p20 and p80 of at least two measurements."""
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return Timing(statistics.median(values), q[1], q[7])
+
+
+def peak_mb(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device) -> Optional[float]:
+    """Peak memory allocated during one call above what was allocated before it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    _reset(grads)
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """bf16 GEMM rate (8192^3 on a GPU; fp32 1024^3 on the CPU, only so the harness runs there)."""
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    t = bench(lambda: a @ b, [], device, warmup_ms=100, rep_ms=300)
+    return 2 * size**3 / (t.ms * 1e-3) / 1e12
+
+
+def copy_gbps(device: torch.device) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written (1 GiB on a GPU, 64 MiB on the CPU)."""
+    nbytes = 2**30 if device.type == "cuda" else 2**26
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), [], device, warmup_ms=50, rep_ms=200)
+    return 2 * nbytes / (t.ms * 1e-3) / 1e9
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_L2_BYTES
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", DEFAULT_L2_BYTES)
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory a new allocation can still get (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

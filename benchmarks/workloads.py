@@ -1,0 +1,141 @@
+"""What each op does in a benchmark: its random inputs, its minimum work, and one forward / backward step.
+
+Every provider is called with the project's own signature (DESIGN.md, Ops); peers adapt to it.
+Labels carry a few ignored rows so the ignore path is part of what is timed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from benchmarks.shapes import Case
+
+IGNORE_INDEX = -100
+IGNORED_FRACTION = 0.05
+# GEMM FLOPs per N*H*V of the LM-head ops, per pass (fwd: the logits; bwd: grad input and grad weight).
+_GEMM_COEFF = {"flce": (2, 4), "fused_linear_jsd": (4, 4), "fused_linear_kl_div": (2, 4)}
+
+
+@dataclass
+class Inputs:
+    args: tuple
+    kwargs: dict
+    leaves: list[torch.Tensor]  # the tensors whose gradients the op produces
+    upstream: Optional[tuple[torch.Tensor, ...]] = None  # grads fed to backward when the op has several outputs
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.args if isinstance(t, torch.Tensor))
+
+
+def make_inputs(case: Case, device: torch.device, seed: int) -> Inputs:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return _MAKERS[case.op](case, device, gen)
+
+
+def work(case: Case, mode: str | None = None) -> tuple[float, float]:
+    """(GEMM FLOPs, bytes) at the floor of `mode`: fwd+bwd is the sum of the two passes.
+
+    Bytes count each input read once per pass and each gradient written once (the outputs are
+    scalars or, for mHC, about 1% of x): what decides the floor of mHC, negligible for the LM heads.
+    """
+    mode = mode or case.mode
+    if mode == "fwd+bwd":
+        return tuple(a + b for a, b in zip(work(case, "fwd"), work(case, "bwd")))
+    if case.op in _GEMM_COEFF:
+        n, h, v = case.dim("N"), case.dim("H"), case.dim("V")
+        fwd, bwd = _GEMM_COEFF[case.op]
+        flops = (fwd if mode == "fwd" else bwd) * n * h * v
+        itemsize = torch.finfo(case.dtype).bits // 8
+        leaves = (n * h + v * h) * itemsize
+        inputs = leaves * (2 if case.op == "fused_linear_jsd" else 1)
+        if case.op == "fused_linear_kl_div":
+            inputs += n * v * itemsize  # the target distribution
+        return float(flops), float(inputs if mode == "fwd" else 2 * leaves)
+    rows = case.dim("B") * case.dim("T")
+    hc = case.dim("HC")
+    k, m = hc * case.dim("C"), hc * hc + 2 * hc
+    itemsize = torch.finfo(case.dtype).bits // 8
+    x_and_phi = (rows * k + k * m) * itemsize
+    flops = 2 * rows * k * m * (1 if mode == "fwd" else 2)
+    return float(flops), float(x_and_phi if mode == "fwd" else 2 * x_and_phi)
+
+
+def forward(fn: Callable, inputs: Inputs):
+    return fn(*inputs.args, **inputs.kwargs)
+
+
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def backward(out, inputs: Inputs, retain_graph: bool = False) -> None:
+    torch.autograd.backward(outputs(out), inputs.upstream, retain_graph=retain_graph)
+
+
+# ---------------------------------------------------------------- input makers
+
+
+def _randn(shape, dtype, device, gen, std=1.0):
+    return (torch.randn(shape, dtype=torch.float32, device=device, generator=gen) * std).to(dtype)
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.requires_grad_(True)
+
+
+def _labels(n, vocab, device, gen):
+    labels = torch.randint(0, vocab, (n,), device=device, generator=gen)
+    ignored = torch.rand(n, device=device, generator=gen) < IGNORED_FRACTION
+    return labels.masked_fill_(ignored, IGNORE_INDEX)
+
+
+def _head(case, device, gen):
+    """input [N, H] ~ N(0, 1), weight [V, H] ~ N(0, 1/H): logits of unit scale."""
+    n, h, v = case.dim("N"), case.dim("H"), case.dim("V")
+    return _randn((n, h), case.dtype, device, gen), _randn((v, h), case.dtype, device, gen, h ** -0.5)
+
+
+def _flce(case, device, gen):
+    x, w = _head(case, device, gen)
+    target = _labels(case.dim("N"), case.dim("V"), device, gen)
+    return Inputs((_leaf(x), _leaf(w), target), {"ignore_index": IGNORE_INDEX, "reduction": "mean"}, [x, w])
+
+
+def _jsd(case, device, gen):
+    x, w = _head(case, device, gen)
+    xt, wt = _head(case, device, gen)
+    labels = _labels(case.dim("N"), case.dim("V"), device, gen)
+    kwargs = {"jsd_beta": 0.5, "ignore_index": IGNORE_INDEX, "temperature": 1.0}
+    return Inputs((_leaf(x), _leaf(w), xt, wt, labels), kwargs, [x, w])
+
+
+def _kl(case, device, gen):
+    x, w = _head(case, device, gen)
+    n, v = case.dim("N"), case.dim("V")
+    target = torch.empty((n, v), dtype=case.dtype, device=device)
+    for start in range(0, n, 2048):  # bounds the fp32 temporary at large N x V
+        rows = target[start:start + 2048]
+        rows.copy_(torch.softmax(_randn(rows.shape, torch.float32, device, gen, 2.0), dim=-1))
+    labels = _labels(n, v, device, gen)
+    kwargs = {"reduction": "batchmean", "ignore_index": IGNORE_INDEX, "temperature": 1.0}
+    return Inputs((_leaf(x), _leaf(w), target, labels), kwargs, [x, w])
+
+
+def _mhc(case, device, gen):
+    b, t, hc, c = (case.dim(k) for k in ("B", "T", "HC", "C"))
+    k, m = hc * c, hc * hc + 2 * hc
+    x = _randn((b, t, hc, c), case.dtype, device, gen)
+    phi = _randn((k, m), case.dtype, device, gen, 1 / math.sqrt(k))
+    bias = _randn((m,), torch.float32, device, gen, 0.1)
+    alphas = [0.5 + torch.rand((), device=device, generator=gen) for _ in range(3)]
+    leaves = [_leaf(x), _leaf(phi), _leaf(bias), *map(_leaf, alphas)]
+    upstream = (_randn((b, t, hc), torch.float32, device, gen), _randn((b, t, hc), torch.float32, device, gen),
+                _randn((b, t, hc, hc), torch.float32, device, gen))
+    return Inputs(tuple(leaves), {}, leaves, upstream)
+
+
+_MAKERS = {"flce": _flce, "fused_linear_jsd": _jsd, "fused_linear_kl_div": _kl, "mhc_coeffs": _mhc}
