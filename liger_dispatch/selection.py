@@ -50,6 +50,22 @@ def env_key(op: str) -> str:
     return "LIGER_BACKEND_" + "".join(c if c.isalnum() else "_" for c in op.upper())
 
 
+_ENV_DATA = getattr(os.environ, "_data", None)  # the raw mapping behind os.environ: a lookup costs ~50 ns
+_ENV_ENCODE = getattr(os.environ, "encodekey", None)
+_encoded_keys: dict[str, object] = {}
+
+
+def getenv(key: str) -> Optional[str]:
+    """os.environ.get, fast enough for the per-call path."""
+    if _ENV_DATA is None or _ENV_ENCODE is None:
+        return os.environ.get(key)
+    encoded = _encoded_keys.get(key)
+    if encoded is None:
+        encoded = _encoded_keys[key] = _ENV_ENCODE(key)
+    value = _ENV_DATA.get(encoded)
+    return None if value is None else os.environ.decodevalue(value)
+
+
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
     """(where the preference came from, the backend names), or ("auto", ()) when none is set."""
     if pinned:
@@ -57,17 +73,17 @@ def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
     stack = getattr(_local, "stack", None)
     if stack:
         return "use_backend()", stack[-1]
-    value = os.environ.get(env_key(op))
+    value = getenv(env_key(op))
     if value:
         return env_key(op), parse_backends(value)
-    value = os.environ.get("LIGER_BACKEND")
+    value = getenv("LIGER_BACKEND")
     if value:
         return "LIGER_BACKEND", parse_backends(value)
     return "auto", ()
 
 
 def strict() -> bool:
-    return os.environ.get("LIGER_STRICT", "") not in ("", "0")
+    return (getenv("LIGER_STRICT") or "0") != "0"
 
 
 def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
@@ -134,14 +150,28 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
     return Resolution(op, source, requested, tuple(order), tuple(rejected))
 
 
+_op_env_keys: dict[str, str] = {}
+
+
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
-    device, dtypes = call_signature(args, kwargs)
+    device = None
+    dtypes = []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            device = device or value.device
+            dtypes.append(value.dtype)
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            device = device or value.device
+            dtypes.append(value.dtype)
     stack = getattr(_local, "stack", None)
-    key = (op, pinned, stack[-1] if stack else None, os.environ.get(env_key(op)), os.environ.get("LIGER_BACKEND"),
-           TABLE.version, device, dtypes)
+    op_key = _op_env_keys.get(op) or _op_env_keys.setdefault(op, env_key(op))
+    key = (op, pinned, stack[-1] if stack else None, getenv(op_key), getenv("LIGER_BACKEND"), TABLE.version, device,
+           tuple(dtypes))
     res = _memo.get(key)
     if res is None:
-        res = resolve_static(op, pinned, device, dtypes)
+        device, float_dtypes = call_signature(args, kwargs)
+        res = resolve_static(op, pinned, device, float_dtypes)
         if len(_memo) >= _MEMO_LIMIT:
             _memo.clear()
         _memo[key] = res

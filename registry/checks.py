@@ -44,8 +44,7 @@ def dim_equals(name: str, actual: int, expected: int, what: str) -> None:
         raise InputError(f"{name}: {what} is {actual}, expected {expected}")
 
 
-def rows(name: str, value: torch.Tensor, n: int, what: str = "number of rows") -> None:
-    count = value.numel() if value.dim() <= 1 else value.shape[:-1].numel()
+def rows(name: str, count: int, n: int, what: str = "number of rows") -> None:
     if count != n:
         raise InputError(f"{name}: {what} is {count} but the input has {n} rows")
 

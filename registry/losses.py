@@ -28,7 +28,7 @@ def _labels(name, labels, n, vocab, ignore_index, *, class_values: bool):
     if labels is None:
         return
     c.tensor(name, labels, integer=True)
-    c.rows(name, labels, n, "number of labels")
+    c.rows(name, labels.numel(), n, "number of labels")
     if class_values:
         c.class_indices(name, labels, vocab, ignore_index)
 
@@ -75,7 +75,7 @@ def check_fused_linear_kl_div(student_input, student_weight, target, shift_label
     n, vocab = _head("student_input", student_input, "student_weight", student_weight)
     c.tensor("target", target, min_ndim=1, floating=True)
     c.dim_equals("target", target.shape[-1], vocab, "last dim (vocabulary size)")
-    c.rows("target", target, n)
+    c.rows("target", target.shape[:-1].numel(), n)
     c.same_device(student_input=student_input, student_weight=student_weight, target=target, shift_labels=shift_labels)
     c.choice("reduction", reduction, ("batchmean", "mean", "sum"))
     c.positive("temperature", temperature)

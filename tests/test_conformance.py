@@ -42,7 +42,7 @@ def strict(monkeypatch):
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     return float((got - want).norm() / want.norm().clamp_min(1e-12)) if want.norm() > 0 else float(got.norm())
 
 
