@@ -205,10 +205,11 @@ def test_kl_zero_probabilities(log_target, target_dtype):
            temperature=2.0, log_target=log_target)
 
 
-def test_kl_eps_clamps_tiny_probabilities():
-    target = probabilities()
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+def test_kl_eps_and_tiny_probabilities(eps):
+    target = probabilities()  # zeros in the first 20 columns
     target[:, 20:40] = 1e-30
-    run_kl(logits(), target, None, eps=1e-8)
+    run_kl(logits(), target, None, eps=eps)
 
 
 # ---------------------------------------------------------------- launch configuration and capability

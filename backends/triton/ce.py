@@ -15,7 +15,7 @@ from ._support import (
 @triton.jit
 def _ce_kernel(
     X, x_stride, Y, y_stride, LOSS, SCALE, scale_stride,
-    ignore_index, smoothing, lse_square_scale, softcap,
+    ignore_index, smoothing, lse_square_scale, softcap, inv_softcap,
     V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -31,7 +31,7 @@ def _ce_kernel(
     # Pass 1: running max and sum of exp2 of z*log2(e), and sum z for the smoothing term.
     z_y = tl.load(X + y).to(tl.float32)
     if HAS_SOFTCAP:
-        z_y = softcap * tanh(z_y / softcap)
+        z_y = softcap * tanh(z_y * inv_softcap)
     m = -float("inf")
     d = tl.zeros([BLOCK], tl.float32)
     z_sum = tl.zeros([BLOCK], tl.float32)
@@ -39,7 +39,7 @@ def _ce_kernel(
         mask = start + cols < V
         z = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * tanh(z / softcap)
+            z = softcap * tanh(z * inv_softcap)
         m, alpha, e = online_softmax_step(m, tl.where(mask, z * LOG2E, -float("inf")))
         d = d * alpha + e
         if HAS_SMOOTHING:
@@ -62,7 +62,7 @@ def _ce_kernel(
         mask = offs < V
         x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if HAS_SOFTCAP:
-            t = tanh(x / softcap)
+            t = tanh(x * inv_softcap)
             z = softcap * t
         else:
             z = x
@@ -85,9 +85,10 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
+    cap = float(softcap or 1.0)
     _ce_kernel[(C,)](
         logits, logits.stride(0), target, target.stride(0), loss, scale, scale_stride,
-        ignore_index, float(label_smoothing), float(lse_square_scale), float(softcap or 1.0),
+        ignore_index, float(label_smoothing), float(lse_square_scale), cap, 1.0 / cap,
         V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0,
         **row_launch(V, logits, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
     )

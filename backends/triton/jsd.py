@@ -13,8 +13,8 @@ import triton.language as tl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, LOG2E, LN2, PRIORITY,
-    check_rows, load_scale, online_softmax_step, row_launch, scale_args, zero_row,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
+    check_rows, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -97,7 +97,7 @@ def _jsd_kernel(
             q = tl.exp2(ls2)
             p = tl.exp2(lt2)
             # m == 0 only where p and q both underflow: then both terms are 0 * finite
-            lm2 = tl.log2(tl.maximum(beta * p + (1.0 - beta) * q, 1.1754943508222875e-38))
+            lm2 = log2(tl.maximum(beta * p + (1.0 - beta) * q, FLT_MIN))
             q_term = tl.where(mask, q * (ls2 - lm2), 0.0)
             loss += beta * tl.where(mask, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
             cross += q_term
@@ -110,7 +110,7 @@ def _jsd_kernel(
             t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
             ls2 = s2 - lse_s
             q = tl.exp2(ls2)
-            lm2 = tl.log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, 1.1754943508222875e-38))
+            lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))
             g = g_mult * q * (ls2 - lm2 - cross2)
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
 

@@ -11,8 +11,8 @@ import triton.language as tl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, LOG2E, LN2, PRIORITY,
-    check_rows, load_scale, online_softmax_step, row_launch, scale_args, zero_row,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
+    check_rows, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 
@@ -67,7 +67,7 @@ def _kl_kernel(
         if LOG_TARGET:
             log_q = tl.where(q != 0.0, target, 0.0)  # target may be -inf
         else:
-            log_q = tl.log2(tl.maximum(q, eps)) * LN2  # log(max(q, eps))
+            log_q = log2(tl.maximum(q, eps)) * LN2  # log(max(q, eps)); eps >= FLT_MIN
         ls2 = s2 - lse2
         loss += q * (log_q - ls2 * LN2)  # 0 log 0 = 0: log_q is finite where q = 0
         g = scale * (tl.exp2(ls2) * total_q - q)
@@ -94,7 +94,7 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
         student_logits, student_logits.stride(0), target, target.stride(0),
         loss if labels is None else labels, 0 if labels is None else labels.stride(0),
         loss, scale, scale_stride,
-        ignore_index, LOG2E.value / temperature, 1.0 / temperature, float(eps),
+        ignore_index, LOG2E.value / temperature, 1.0 / temperature, max(float(eps), FLT_MIN.value),
         V=V, LOG_TARGET=bool(log_target), HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
         **row_launch(V, student_logits, target, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
     )
