@@ -1,0 +1,151 @@
+"""Cross-entropy loss and gradient in one CuTeDSL kernel: one CTA per row, 2 passes, gradient over the logits.
+
+Pass 1 streams the row once for the online softmax state (and sum z for label smoothing); pass 2
+streams it again, writing grad_scale * dloss/dlogits in place. The second read mostly hits L2.
+"""
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, THREADS, RowTiles, block_lse, block_sum, lse_update, tile_sum, zero_row
+from liger_dispatch import register_backend
+
+from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
+                       pick_vec, row_limits, scale_view)
+
+UNROLL = 4
+
+
+class CrossEntropyKernel:
+    def __init__(self, dtype, vec, has_scale, has_softcap, has_smoothing):
+        self.dtype = dtype
+        self.vec = vec
+        self.has_scale = has_scale
+        self.has_softcap = has_softcap
+        self.has_smoothing = has_smoothing
+        self.tile = THREADS * vec * UNROLL
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mLoss: cute.Tensor, mScale: cute.Tensor | None,
+                 scale_step: Int32, ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+                 softcap: Float32, stream):
+        self.kernel(mX, mTarget, mLoss, mScale, scale_step, ignore_index, smoothing, lse_square_scale, softcap,
+                    _row.row_copy(self.dtype, self.vec)).launch(
+            grid=[mX.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def logits(self, x: cute.TensorSSA, softcap: Float32):
+        """z from the raw logits (softcap * tanh(x / softcap) when capped) and tanh itself (None if not capped)."""
+        if const_expr(self.has_softcap):
+            t = cute.math.tanh(x * (1.0 / softcap))
+            return softcap * t, t
+        return x, None
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mLoss: cute.Tensor, mScale: cute.Tensor | None,
+               scale_step: Int32, ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+               softcap: Float32, tiled_copy: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        buf = _row.reduction_buffer(3)
+        tiles = RowTiles.of(mX, row, tidx, tiled_copy, self.tile)
+        n_cols = mX.shape[1]
+        n_full = n_cols // self.tile
+        tail = n_cols % self.tile != 0
+        target = mTarget[row]
+        loss = Float32(0.0)
+
+        if target == ignore_index:
+            zero_row(tiles, n_full, tail)
+        else:
+            y = Int32(target)
+            # Read before pass 2 overwrites the row.
+            z_y, _ = self.logits(Float32(mX[row, y]), softcap)
+
+            # Pass 1: base-2 online softmax state; padding loads as 0 (z = 0 too), masked to -inf for the max/sum.
+            m = Float32(NEG_BIG)
+            d = Float32(0.0)
+            z_sum = Float32(0.0)
+            for k in cutlass.range(n_full, unroll=1):
+                z, _ = self.logits(tiles.load(k), softcap)
+                m, d = lse_update(m, d, z * LOG2E)
+                if const_expr(self.has_smoothing):
+                    z_sum += tile_sum(z)
+            if tail:
+                pred = tiles.predicate(n_full)
+                z, _ = self.logits(tiles.load(n_full, pred), softcap)
+                m, d = lse_update(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
+                if const_expr(self.has_smoothing):
+                    z_sum += tile_sum(z)
+            m, d = block_lse(m, d, buf, 0)
+            lse2 = m + cute.math.log2(d, fastmath=True)
+            lse = lse2 * LN2
+            loss = lse - (1.0 - smoothing) * z_y + lse_square_scale * lse * lse
+            if const_expr(self.has_smoothing):
+                (z_sum,) = block_sum((z_sum,), buf, 2)
+                loss -= smoothing * z_sum / Float32(n_cols)
+
+            # Pass 2: dloss/dz_j = (1 + 2 s lse) softmax_j - (1 - eps)[j == y] - eps / V, times dz/dx, times scale.
+            scale = Float32(1.0)
+            if const_expr(self.has_scale):
+                scale = mScale[row * scale_step]
+            p_coef = scale * (1.0 + 2.0 * lse_square_scale * lse)
+            uniform = scale * smoothing / Float32(n_cols)
+            on_target = scale * (1.0 - smoothing)
+            for k in cutlass.range(n_full, unroll=1):
+                tiles.store(k, self.grad(tiles.load(k), tiles.columns(k), y, softcap, lse2, p_coef, uniform, on_target))
+            if tail:
+                pred = tiles.predicate(n_full)
+                g = self.grad(tiles.load(n_full, pred), tiles.columns(n_full), y, softcap, lse2, p_coef, uniform,
+                              on_target)
+                tiles.store(n_full, g, pred)
+
+        if tidx == 0:
+            mLoss[row] = loss
+
+    @cute.jit
+    def grad(self, x: cute.TensorSSA, cols: cute.TensorSSA, y: Int32, softcap: Float32, lse2: Float32,
+             p_coef: Float32, uniform: Float32, on_target: Float32):
+        z, t = self.logits(x, softcap)
+        g = p_coef * cute.math.exp2(z * LOG2E - lse2, fastmath=True) - uniform
+        g = cute.where(cols == y, g - on_target, g)
+        if const_expr(self.has_softcap):
+            g = g * (1.0 - t * t)
+        return g
+
+
+@cache
+def _compiled(dtype, target_dtype, vec, has_scale, has_softcap, has_smoothing):
+    cdtype = CUTE_DTYPE[dtype]
+    syms = Syms()
+    kernel = CrossEntropyKernel(cdtype, vec, has_scale, has_softcap, has_smoothing)
+    return Launcher(compile_kernel(
+        kernel, syms.matrix(cdtype, vec), syms.per_row(CUTE_DTYPE[target_dtype]), syms.per_row(cutlass.Float32),
+        syms.flat() if has_scale else None, 0, -100, 0.0, 0.0, 1.0,
+    ))
+
+
+def _limits(logits, target, **_):
+    return row_limits(logits, target)
+
+
+@register_backend("ce_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
+def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                     lse_square_scale=0.0):
+    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
+    check_rows("logits", logits)
+    C, V = logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    if C == 0:
+        return loss
+    scale, step = scale_view(grad_scale)
+    target = per_row(target)
+    run = _compiled(logits.dtype, target.dtype, pick_vec(V, logits), scale is not None, softcap is not None,
+                    label_smoothing != 0.0)
+    run(logits, target, loss, scale, step, ignore_index, float(label_smoothing), float(lse_square_scale),
+        float(softcap) if softcap is not None else 1.0)
+    return loss

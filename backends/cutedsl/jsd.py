@@ -1,0 +1,191 @@
+"""Generalized Jensen-Shannon divergence, loss and student gradient in one CuTeDSL kernel, one CTA per row.
+
+With q = softmax(student / T), p = softmax(teacher / T) and, in base 2, lq = log2 q, lp = log2 p:
+  beta = 0: KL(p||q);  dL/ds = q - p                                  -> 2 passes (gradient with the loss)
+  beta = 1: KL(q||p);  dL/ds = ln2 q (lq - lp - S), S = sum q (lq - lp) -> 3 passes
+  else:     beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q;
+            dL/ds = (1-beta) ln2 q (lq - lm - S), S = sum q (lq - lm)  -> 3 passes
+Pass 1 finds both softmax states; the cross-row term S must be known before any gradient is stored.
+The gradient w.r.t. the student logits carries 1/T and grad_scale; the teacher is only read.
+"""
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
+
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, THREADS, RowTiles, block_lse, block_sum, lse_update, tile_sum, zero_row
+from liger_dispatch import register_backend
+
+from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
+                       pick_vec, row_limits, scale_view)
+
+UNROLL = 2
+FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+# m below the smallest normal fp32 only arises when p and q flushed to 0 too: clamp keeps log2 m finite.
+M_FLOOR = 1.1754944e-38
+
+
+def beta_case(beta):
+    return FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE
+
+
+class JSDKernel:
+    def __init__(self, s_dtype, t_dtype, vec, case, has_labels, has_scale):
+        self.s_dtype = s_dtype
+        self.t_dtype = t_dtype
+        self.vec = vec
+        self.case = case
+        self.has_labels = has_labels
+        self.has_scale = has_scale
+        self.tile = THREADS * vec * UNROLL
+
+    @cute.jit
+    def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
+                 mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
+                 inv_temp: Float32, stream):
+        self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp,
+                    _row.row_copy(self.s_dtype, self.vec), _row.row_copy(self.t_dtype, self.vec)).launch(
+            grid=[mS.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def divergence(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32):
+        """Per element, in base 2: (loss term / ln2, q, lq - l_ref), l_ref = lp (beta=1) or lm (mixture)."""
+        q = cute.math.exp2(lq, fastmath=True)
+        p = cute.math.exp2(lp, fastmath=True)
+        if const_expr(self.case == FORWARD_KL):
+            return p * (lp - lq), q, p
+        elif const_expr(self.case == REVERSE_KL):
+            diff = lq - lp
+            return q * diff, q, diff
+        else:
+            m = beta * p + (1.0 - beta) * q
+            lm = cute.math.log2(cute.where(m > M_FLOOR, m, M_FLOOR), fastmath=True)
+            diff = lq - lm
+            return beta * p * (lp - lm) + (1.0 - beta) * q * diff, q, diff
+
+    @cute.kernel
+    def kernel(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
+               mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
+               inv_temp: Float32, copy_s: cute.TiledCopy, copy_t: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        buf = _row.reduction_buffer(6)
+        student = RowTiles.of(mS, row, tidx, copy_s, self.tile)
+        teacher = RowTiles.of(mT, row, tidx, copy_t, self.tile)
+        n_cols = mS.shape[1]
+        n_full = n_cols // self.tile
+        tail = n_cols % self.tile != 0
+        ignored = Boolean(False)
+        if const_expr(self.has_labels):
+            ignored = mLabels[row] == ignore_index
+        loss = Float32(0.0)
+
+        if ignored:
+            zero_row(student, n_full, tail)
+        else:
+            to_base2 = inv_temp * LOG2E
+            # Pass 1: both softmax states (padding loads as 0, masked to -inf).
+            m_s = Float32(NEG_BIG)
+            d_s = Float32(0.0)
+            m_t = Float32(NEG_BIG)
+            d_t = Float32(0.0)
+            for k in cutlass.range(n_full, unroll=1):
+                m_s, d_s = lse_update(m_s, d_s, student.load(k) * to_base2)
+                m_t, d_t = lse_update(m_t, d_t, teacher.load(k) * to_base2)
+            if tail:
+                pred = student.predicate(n_full)
+                mask = student.element_mask(pred)
+                m_s, d_s = lse_update(m_s, d_s, cute.where(mask, student.load(n_full, pred) * to_base2, -Float32.inf))
+                m_t, d_t = lse_update(m_t, d_t, cute.where(mask, teacher.load(n_full, pred) * to_base2, -Float32.inf))
+            m_s, d_s = block_lse(m_s, d_s, buf, 0)
+            m_t, d_t = block_lse(m_t, d_t, buf, 2)
+            lse_s = m_s + cute.math.log2(d_s, fastmath=True)
+            lse_t = m_t + cute.math.log2(d_t, fastmath=True)
+
+            scale = inv_temp
+            if const_expr(self.has_scale):
+                scale = scale * mScale[row * scale_step]
+
+            # Pass 2: the loss and S; for beta = 0 also the gradient q - p (no cross-column term).
+            acc_loss = Float32(0.0)
+            acc_s = Float32(0.0)
+            for k in cutlass.range(n_full, unroll=1):
+                lq = student.load(k) * to_base2 - lse_s
+                lp = teacher.load(k) * to_base2 - lse_t
+                term, q, aux = self.divergence(lq, lp, beta)
+                acc_loss += tile_sum(term)
+                if const_expr(self.case == FORWARD_KL):
+                    student.store(k, (q - aux) * scale)
+                elif const_expr(self.case == MIXTURE):
+                    acc_s += tile_sum(q * aux)
+            if tail:
+                pred = student.predicate(n_full)
+                mask = student.element_mask(pred)
+                lq = student.load(n_full, pred) * to_base2 - lse_s
+                lp = teacher.load(n_full, pred) * to_base2 - lse_t
+                term, q, aux = self.divergence(lq, lp, beta)
+                acc_loss += tile_sum(cute.where(mask, term, 0.0))
+                if const_expr(self.case == FORWARD_KL):
+                    student.store(n_full, (q - aux) * scale, pred)
+                elif const_expr(self.case == MIXTURE):
+                    acc_s += tile_sum(cute.where(mask, q * aux, 0.0))
+            acc_loss, acc_s = block_sum((acc_loss, acc_s), buf, 4)
+            loss = acc_loss * LN2
+
+            # Pass 3 (beta > 0): dL/ds = c ln2 q (diff - S), c = 1 - beta (mixture) or 1 (reverse KL).
+            if const_expr(self.case != FORWARD_KL):
+                cross = acc_loss if const_expr(self.case == REVERSE_KL) else acc_s
+                coef = scale * LN2
+                if const_expr(self.case == MIXTURE):
+                    coef = coef * (1.0 - beta)
+                for k in cutlass.range(n_full, unroll=1):
+                    lq = student.load(k) * to_base2 - lse_s
+                    lp = teacher.load(k) * to_base2 - lse_t
+                    _, q, diff = self.divergence(lq, lp, beta)
+                    student.store(k, coef * q * (diff - cross))
+                if tail:
+                    pred = student.predicate(n_full)
+                    lq = student.load(n_full, pred) * to_base2 - lse_s
+                    lp = teacher.load(n_full, pred) * to_base2 - lse_t
+                    _, q, diff = self.divergence(lq, lp, beta)
+                    student.store(n_full, coef * q * (diff - cross), pred)
+
+        if tidx == 0:
+            mLoss[row] = loss
+
+
+@cache
+def _compiled(s_dtype, t_dtype, label_dtype, vec, case, has_scale):
+    cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
+    syms = Syms()
+    kernel = JSDKernel(cs, ct, vec, case, label_dtype is not None, has_scale)
+    return Launcher(compile_kernel(
+        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
+        syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 0.5, 1.0,
+    ))
+
+
+def _limits(student_logits, _other, labels, **_):
+    return row_limits(student_logits, labels)
+
+
+@register_backend("jsd_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
+def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
+                      grad_scale=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent."""
+    check_rows("student_logits", student_logits)
+    check_rows("teacher_logits", teacher_logits)
+    C, V = student_logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    if C == 0:
+        return loss
+    scale, step = scale_view(grad_scale)
+    vec = pick_vec(V, student_logits, teacher_logits)
+    labels = per_row(labels)
+    run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
+                    beta_case(float(beta)), scale is not None)
+    run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))
+    return loss

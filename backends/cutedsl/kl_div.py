@@ -1,0 +1,150 @@
+"""KL(target || softmax(student / T)) per row, loss and student gradient in one CuTeDSL kernel, one CTA per row.
+
+loss = sum_j q_j (log q_j - s_j + lse) = A - B + lse * Q with A = sum q log q (0 log 0 = 0), B = sum q s,
+Q = sum q: none of A, B, Q needs lse, so pass 1 gathers them beside the softmax state and pass 2 writes
+dL/ds_j = softmax_j * Q - q_j (times 1/T and grad_scale) over the student logits.
+"""
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
+
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, THREADS, RowTiles, block_lse, block_sum, lse_update, tile_sum, zero_row
+from liger_dispatch import register_backend
+
+from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
+                       pick_vec, row_limits, scale_view)
+
+UNROLL = 2
+
+
+class KLDivKernel:
+    def __init__(self, s_dtype, t_dtype, vec, log_target, has_labels, has_scale):
+        self.s_dtype = s_dtype
+        self.t_dtype = t_dtype
+        self.vec = vec
+        self.log_target = log_target
+        self.has_labels = has_labels
+        self.has_scale = has_scale
+        self.tile = THREADS * vec * UNROLL
+        # Padding must read as q = 0: probability 0, or log-probability -inf.
+        self.target_fill = -float("inf") if log_target else 0.0
+
+    @cute.jit
+    def __call__(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
+                 mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
+                 eps: Float32, stream):
+        self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps,
+                    _row.row_copy(self.s_dtype, self.vec), _row.row_copy(self.t_dtype, self.vec)).launch(
+            grid=[mS.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def target(self, t: cute.TensorSSA, eps: Float32):
+        """(q, q log q) per element, natural log, q log q = 0 where q = 0."""
+        if const_expr(self.log_target):
+            q = cute.math.exp2(t * LOG2E, fastmath=True)
+            return q, cute.where(q > 0.0, q * t, 0.0)
+        log_q = cute.math.log2(cute.where(t > eps, t, eps), fastmath=True) * LN2
+        return t, t * log_q
+
+    @cute.kernel
+    def kernel(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
+               mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
+               eps: Float32, copy_s: cute.TiledCopy, copy_t: cute.TiledCopy):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        buf = _row.reduction_buffer(5)
+        student = RowTiles.of(mS, row, tidx, copy_s, self.tile)
+        target = RowTiles.of(mTarget, row, tidx, copy_t, self.tile)
+        n_cols = mS.shape[1]
+        n_full = n_cols // self.tile
+        tail = n_cols % self.tile != 0
+        ignored = Boolean(False)
+        if const_expr(self.has_labels):
+            ignored = mLabels[row] == ignore_index
+        loss = Float32(0.0)
+
+        if ignored:
+            zero_row(student, n_full, tail)
+        else:
+            # Pass 1: softmax state of s = student / T (base 2), and A, B, Q (padding has q = 0, s = 0).
+            m = Float32(NEG_BIG)
+            d = Float32(0.0)
+            acc_qlogq = Float32(0.0)
+            acc_qs = Float32(0.0)
+            acc_q = Float32(0.0)
+            for k in cutlass.range(n_full, unroll=1):
+                s = student.load(k) * inv_temp
+                q, q_log_q = self.target(target.load(k), eps)
+                m, d = lse_update(m, d, s * LOG2E)
+                acc_qlogq += tile_sum(q_log_q)
+                acc_qs += tile_sum(q * s)
+                acc_q += tile_sum(q)
+            if tail:
+                pred = student.predicate(n_full)
+                s = student.load(n_full, pred) * inv_temp
+                q, q_log_q = self.target(target.load(n_full, pred, self.target_fill), eps)
+                m, d = lse_update(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
+                acc_qlogq += tile_sum(q_log_q)
+                acc_qs += tile_sum(q * s)
+                acc_q += tile_sum(q)
+            m, d = block_lse(m, d, buf, 0)
+            acc_qlogq, acc_qs, acc_q = block_sum((acc_qlogq, acc_qs, acc_q), buf, 2)
+            lse2 = m + cute.math.log2(d, fastmath=True)
+            loss = acc_qlogq - acc_qs + lse2 * LN2 * acc_q
+
+            # Pass 2: dL/ds_j = softmax_j * Q - q_j, times 1/T and grad_scale.
+            scale = inv_temp
+            if const_expr(self.has_scale):
+                scale = scale * mScale[row * scale_step]
+            p_coef = scale * acc_q
+            to_base2 = inv_temp * LOG2E
+            for k in cutlass.range(n_full, unroll=1):
+                q, _ = self.target(target.load(k), eps)
+                p = cute.math.exp2(student.load(k) * to_base2 - lse2, fastmath=True)
+                student.store(k, p_coef * p - scale * q)
+            if tail:
+                pred = student.predicate(n_full)
+                q, _ = self.target(target.load(n_full, pred, self.target_fill), eps)
+                p = cute.math.exp2(student.load(n_full, pred) * to_base2 - lse2, fastmath=True)
+                student.store(n_full, p_coef * p - scale * q, pred)
+
+        if tidx == 0:
+            mLoss[row] = loss
+
+
+@cache
+def _compiled(s_dtype, t_dtype, label_dtype, vec, log_target, has_scale):
+    cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
+    syms = Syms()
+    kernel = KLDivKernel(cs, ct, vec, log_target, label_dtype is not None, has_scale)
+    return Launcher(compile_kernel(
+        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
+        syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 1.0, 1e-10,
+    ))
+
+
+def _limits(student_logits, _other, labels, **_):
+    return row_limits(student_logits, labels)
+
+
+@register_backend("kl_div_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
+def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                         log_target=False, grad_scale=None):
+    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient."""
+    check_rows("student_logits", student_logits)
+    check_rows("target", target)
+    C, V = student_logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    if C == 0:
+        return loss
+    scale, step = scale_view(grad_scale)
+    vec = pick_vec(V, student_logits, target)
+    labels = per_row(labels)
+    run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
+                    bool(log_target), scale is not None)
+    run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature), float(eps))
+    return loss
