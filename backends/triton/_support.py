@@ -24,10 +24,13 @@ CAPABILITY = Capability(
     modules=("triton",),
 )
 
-# Row kernels stream each row in blocks of BLOCK columns: 16 KB of each input per block (2-4 16-byte loads
-# a thread at ELEMS_PER_THREAD values), at most MAX_WARPS warps a program, and NUM_STAGES-deep software
-# pipelining of the block loads (cp.async into shared memory) so the next blocks are in flight while one is
-# reduced. Explicit values win (tests force tiny blocks; benchmarks sweep).
+# Row kernels run one program per row and stream it in blocks of BLOCK columns: 16 KB of each input per block
+# (2-4 16-byte loads a thread at ELEMS_PER_THREAD values), at most MAX_WARPS warps a program, and NUM_STAGES-deep
+# software pipelining of the block loads (cp.async into shared memory) so the next blocks are in flight while
+# one is reduced; with NUM_STAGES = 1 the loads are plain and carry L2 hints (evict_last on all but the last
+# pass, so the next pass finds the row in L2). Explicit values win (tests force tiny blocks; benchmarks sweep).
+# The vocabulary V is a constexpr: one compile per vocabulary, a known trip count, and the interpreter (with
+# numpy >= 2.4) cannot take a runtime loop bound.
 BLOCK_BYTES = 16384
 ELEMS_PER_THREAD = 16
 MAX_WARPS = 16
@@ -58,6 +61,14 @@ def scale_args(grad_scale, dummy):
 def check_rows(name, x):
     if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
         raise ValueError(f"{name} must be 2-D with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+
+
+@triton.jit
+def load_block(ROW, start, cols, n_cols: tl.constexpr, POLICY: tl.constexpr):
+    """Columns start + cols of a row as fp32 (0 past n_cols), and the mask of the real ones."""
+    offs = start + cols
+    mask = offs < n_cols
+    return tl.load(ROW + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32), mask
 
 
 @triton.jit

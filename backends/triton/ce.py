@@ -8,7 +8,7 @@ from liger_dispatch import register_backend
 
 from ._support import (
     CAPABILITY, LOG2E, LN2, PRIORITY,
-    check_rows, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+    check_rows, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
 )
 
 
@@ -36,8 +36,7 @@ def _ce_kernel(
     d = tl.zeros([BLOCK], tl.float32)
     z_sum = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        mask = start + cols < V
-        z = tl.load(X + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        z, mask = load_block(X, start, cols, V, "evict_last")
         if HAS_SOFTCAP:
             z = softcap * tanh(z * inv_softcap)
         m, alpha, e = online_softmax_step(m, tl.where(mask, z * LOG2E, -float("inf")))
@@ -57,19 +56,18 @@ def _ce_kernel(
     p_coef = scale * (1.0 + 2.0 * lse_square_scale * lse)
     uniform = scale * smoothing / V
     on_target = scale * (1.0 - smoothing)
+    y_col = y.to(tl.int32)  # compared with int32 column offsets
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        offs = start + cols
-        mask = offs < V
-        x = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x, mask = load_block(X, start, cols, V, "evict_first")
         if HAS_SOFTCAP:
             t = tanh(x * inv_softcap)
             z = softcap * t
         else:
             z = x
-        g = p_coef * tl.exp2(z * LOG2E - lse2) - uniform - tl.where(offs == y, on_target, 0.0)
+        g = p_coef * tl.exp2(z * LOG2E - lse2) - uniform - tl.where(start + cols == y_col, on_target, 0.0)
         if HAS_SOFTCAP:
             g *= 1.0 - t * t
-        tl.store(X + offs, g.to(X.dtype.element_ty), mask=mask)
+        tl.store(X + start + cols, g.to(X.dtype.element_ty), mask=mask)
 
 
 @register_backend("ce_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)

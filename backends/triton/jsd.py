@@ -14,7 +14,7 @@ from liger_dispatch import register_backend
 
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    check_rows, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    check_rows, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -24,7 +24,7 @@ FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 def _jsd_kernel(
     S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
     ignore_index, beta, to_log2, grad_mult,
-    V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr, 
+    V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -45,9 +45,10 @@ def _jsd_kernel(
     # FORWARD_KL: sum_j exp2(t2_j - m_t) (t2_j - s2_j); REVERSE_KL: the same with s and t swapped.
     acc = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        mask = start + cols < V
-        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
-        t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+        s2, mask = load_block(S, start, cols, V, "evict_last")
+        t2, _ = load_block(T, start, cols, V, "evict_last")
+        s2 *= to_log2
+        t2 *= to_log2
         m_s, alpha_s, e_s = online_softmax_step(m_s, tl.where(mask, s2, -float("inf")))
         m_t, alpha_t, e_t = online_softmax_step(m_t, tl.where(mask, t2, -float("inf")))
         d_s = d_s * alpha_s + e_s
@@ -67,9 +68,10 @@ def _jsd_kernel(
         # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
         tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            mask = start + cols < V
-            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
-            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            s2, mask = load_block(S, start, cols, V, "evict_first")
+            t2, _ = load_block(T, start, cols, V, "evict_first")
+            s2 *= to_log2
+            t2 *= to_log2
             g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
     elif MODE == 1:
@@ -78,9 +80,10 @@ def _jsd_kernel(
         tl.store(LOSS + row, kl2 * LN2)
         shift = lse_s - lse_t + kl2
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            mask = start + cols < V
-            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
-            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            s2, mask = load_block(S, start, cols, V, "evict_first")
+            t2, _ = load_block(T, start, cols, V, "evict_first")
+            s2 *= to_log2
+            t2 *= to_log2
             g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
     else:
@@ -89,9 +92,10 @@ def _jsd_kernel(
         loss = tl.zeros([BLOCK], tl.float32)
         cross = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            mask = start + cols < V
-            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
-            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
+            s2, mask = load_block(S, start, cols, V, "evict_last")
+            t2, _ = load_block(T, start, cols, V, "evict_last")
+            s2 *= to_log2
+            t2 *= to_log2
             ls2 = s2 - lse_s
             lt2 = t2 - lse_t
             q = tl.exp2(ls2)
@@ -105,9 +109,10 @@ def _jsd_kernel(
         cross2 = tl.sum(cross, 0)
         g_mult = scale * (1.0 - beta) * LN2
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            mask = start + cols < V
-            s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
-            t2 = tl.load(T + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
+            s2, mask = load_block(S, start, cols, V, "evict_first")
+            t2, _ = load_block(T, start, cols, V, "evict_first")
+            s2 *= to_log2
+            t2 *= to_log2
             ls2 = s2 - lse_s
             q = tl.exp2(ls2)
             lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))

@@ -12,7 +12,7 @@ from liger_dispatch import register_backend
 
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    check_rows, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    check_rows, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 
@@ -31,7 +31,6 @@ def _kl_kernel(
     S, s_stride, Q, q_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
     ignore_index, to_log2, grad_mult, eps,
     V: tl.constexpr, LOG_TARGET: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -48,9 +47,9 @@ def _kl_kernel(
     d = tl.zeros([BLOCK], tl.float32)
     q_sum = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        mask = start + cols < V
-        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32) * to_log2
-        target = tl.load(Q + start + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s2, mask = load_block(S, start, cols, V, "evict_last")
+        target, _ = load_block(Q, start, cols, V, "evict_last")
+        s2 *= to_log2
         m, alpha, e = online_softmax_step(m, tl.where(mask, s2, -float("inf")))
         d = d * alpha + e
         q_sum += _target_probs(target, mask, LOG_TARGET)
@@ -60,9 +59,9 @@ def _kl_kernel(
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
     loss = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        mask = start + cols < V
-        s2 = tl.load(S + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * to_log2
-        target = tl.load(Q + start + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s2, mask = load_block(S, start, cols, V, "evict_first")
+        target, _ = load_block(Q, start, cols, V, "evict_first")
+        s2 *= to_log2
         q = _target_probs(target, mask, LOG_TARGET)
         if LOG_TARGET:
             log_q = tl.where(q != 0.0, target, 0.0)  # target may be -inf
