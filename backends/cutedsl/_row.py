@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass import Boolean, Float32, Int32, const_expr
 
 THREADS = 256
@@ -136,7 +137,7 @@ def tile_sum(x: cute.TensorSSA):
 
 def reduction_buffer(n_slots: int):
     """Shared fp32 scratch of WARPS x n_slots for the block reductions of one kernel."""
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     return smem.allocate_tensor(Float32, cute.make_layout((WARPS, n_slots)), byte_alignment=16)
 
 

@@ -19,6 +19,8 @@ from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, 
                        pick_vec, row_limits, scale_view)
 
 UNROLL = 2
+# log max(q, eps) with eps floored at the smallest normal fp32: q = 0 then gives 0 * finite = 0, also for eps = 0.
+EPS_FLOOR = 1.1754944e-38
 
 
 class KLDivKernel:
@@ -146,5 +148,5 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
                     bool(log_target), scale is not None)
-    run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature), float(eps))
+    run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature), max(float(eps), EPS_FLOOR))
     return loss

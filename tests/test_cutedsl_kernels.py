@@ -1,0 +1,273 @@
+"""CuTeDSL loss kernels.
+
+On the CPU: the modules import and register; CPU tensors are declined with "needs a CUDA device"; every
+kernel variant compiles for sm_90a (PTX and cubin, so DSL errors and spills surface here); the host
+path picks vector widths, scale views and compile keys without recompiling for new shapes.
+On the GPU (`pytest -m gpu`): loss and in-place gradient match the reference formulas, including
+ragged V, strided rows, every grad_scale form, ignored rows and C * V > 2^31.
+"""
+
+import struct
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from liger_dispatch import dispatch  # noqa: E402
+from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
+from liger_dispatch.backends.reference import formulas  # noqa: E402
+from liger_dispatch.table import TABLE  # noqa: E402
+
+OPS = {"ce_loss_and_grad": ce, "jsd_loss_and_grad": jsd, "kl_div_loss_and_grad": kl_div}
+bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_registered_at_priority_10_with_the_backend_capability():
+    for op, module in OPS.items():
+        (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
+        assert impl.priority == 10
+        assert impl.fn is getattr(module, op)
+        cap = impl.capability
+        assert tuple(cap.devices) == ("cuda",) and cap.min_cc == (9, 0) and tuple(cap.modules) == ("cutlass",)
+        assert set(cap.dtypes) == {bf16, fp16, fp32}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_cpu_tensors_are_declined_with_needs_a_cuda_device():
+    for op in OPS:
+        (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
+        assert impl.capability.static_reason(torch.device("cpu"), (fp32,)) == "needs a CUDA device, got cpu tensors"
+    logits, target = torch.randn(2, 8), torch.tensor([1, 3])
+    assert "cutedsl" not in dispatch.available_backends("ce_loss_and_grad", device="cpu", dtype=fp32)
+    assert "needs a CUDA device" in str(dispatch.op("ce_loss_and_grad").explain(logits, target))
+
+
+def test_predicate_declines_rows_too_long_and_odd_label_dtypes():
+    (impl,) = [i for i in TABLE.candidates("ce_loss_and_grad") if i.backend == "cutedsl"]
+    wide = torch.empty(1).expand(2, _support.MAX_COLS + 1)
+    assert "exceeds" in impl.capability.predicate(wide, torch.zeros(2, dtype=i64))
+    assert "int64 or int32" in impl.capability.predicate(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int16))
+    assert impl.capability.predicate(torch.zeros(2, 8), torch.zeros(2, dtype=i32)) is None
+
+
+def _cubin_resources(cubin: bytes) -> dict:
+    """Registers, stack frame and local memory of the kernel in a cubin, from its .nv.info records."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    out = {"regs": None, "frame": 0, "local": 0}
+    for name_off, _, _, _, offset, size, *_ in sections:
+        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)].decode()
+        if name.startswith(".nv.local"):
+            out["local"] += size
+        if name.startswith(".nv.info"):
+            pos = offset
+            while pos < offset + size:
+                fmt, attr, length = cubin[pos], cubin[pos + 1], struct.unpack_from("<H", cubin, pos + 2)[0]
+                if fmt == 0x04:  # EIFMT_SVAL: (function index, value)
+                    value = struct.unpack_from("<I", cubin, pos + 8)[0] if length >= 8 else None
+                    if attr == 0x2F:
+                        out["regs"] = value
+                    elif attr == 0x11:
+                        out["frame"] = max(out["frame"], value)
+                    pos += 4 + length
+                else:
+                    pos += 4
+    return out
+
+
+VARIANTS = [
+    (ce, (bf16, i64, 8, False, False, False)),
+    (ce, (fp32, i64, 4, True, True, True)),
+    (ce, (fp16, i32, 1, True, False, True)),
+    (jsd, (bf16, bf16, i64, 8, jsd.FORWARD_KL, True)),
+    (jsd, (bf16, bf16, None, 8, jsd.REVERSE_KL, False)),
+    (jsd, (fp32, bf16, i64, 4, jsd.MIXTURE, True)),
+    (jsd, (fp16, fp16, i32, 2, jsd.MIXTURE, False)),
+    (kl_div, (bf16, bf16, i64, 8, False, True)),
+    (kl_div, (bf16, fp32, None, 4, True, False)),
+]
+
+
+@pytest.mark.parametrize("module, key", VARIANTS, ids=[f"{m.__name__.rsplit('.', 1)[1]}-{k}" for m, k in VARIANTS])
+def test_kernel_compiles_for_sm90a_without_spills(module, key, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGER_CUTEDSL_DUMP_DIR", str(tmp_path))
+    launcher = module._compiled.__wrapped__(*key)  # bypass the process cache: always compile here
+    cubin = launcher.compiled.artifacts.CUBIN
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    res = _cubin_resources(cubin)
+    assert res["frame"] == 0 and res["local"] == 0, res
+    assert res["regs"] is not None and res["regs"] <= 128, res  # >= 2 CTAs of 256 threads per SM
+
+
+class _Recorder:
+    """Stands in for _compiled on the CPU: records the compile keys and the launch arguments."""
+
+    def __init__(self):
+        self.keys, self.calls = [], []
+
+    def __call__(self, *key):
+        self.keys.append(key)
+        return lambda *args: self.calls.append(args)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    for module in OPS.values():
+        monkeypatch.setattr(module, "_compiled", rec)
+    return rec
+
+
+def test_new_rows_columns_or_row_stride_reuse_the_compile_key(recorder):
+    for C, V, pad in [(3, 64, 0), (17, 1024, 0), (5, 128256, 0), (2, 256, 64)]:
+        buf = torch.randn(C, V + pad)
+        ce.ce_loss_and_grad(buf[:, :V], torch.zeros(C, dtype=i64))
+    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, False, False, False)
+
+
+def test_vector_width_follows_alignment_of_columns_stride_and_base():
+    x = torch.randn(4, 1024, dtype=bf16)
+    assert _support.pick_vec(1024, x) == 8
+    assert _support.pick_vec(1000, x[:, :1000]) == 8
+    assert _support.pick_vec(1001, x[:, :1001]) == 1
+    assert _support.pick_vec(1020, x[:, 4:]) == 4  # base 8 bytes past a 16-byte boundary
+    assert _support.pick_vec(1024, x, x.float()) == 4  # widest dtype caps the shared width at 4 elements
+    odd_stride = torch.randn(4, 1026, dtype=bf16)[:, :1024]
+    assert _support.pick_vec(1024, odd_stride) == 2
+
+
+@pytest.mark.parametrize("form", ["0-d", "[C]", "expanded", "strided"])
+def test_scale_view_reads_row_i_at_i_times_step(form):
+    C = 5
+    base = torch.arange(1.0, 2.0 * C + 1)
+    scale = {"0-d": torch.tensor(0.25), "[C]": base[:C].clone(), "expanded": torch.tensor(0.5).expand(C),
+             "strided": base[::2]}[form]
+    view, step = _support.scale_view(scale)
+    assert view.dim() == 1 and view.is_contiguous()
+    expected = scale.expand(C) if scale.dim() == 0 else scale
+    assert torch.equal(torch.stack([view[i * step] for i in range(C)]), expected)
+
+
+def test_host_path_passes_contiguous_labels_and_the_scale_view(recorder):
+    C, V = 6, 96
+    s, t = torch.randn(C, V), torch.randn(C, V)
+    labels = torch.arange(2 * C)[::2]  # strided
+    jsd.jsd_loss_and_grad(s, t, labels, beta=0.5, temperature=2.0, grad_scale=torch.tensor(0.1))
+    args = recorder.calls[-1]
+    assert args[2].is_contiguous() and torch.equal(args[2], labels)
+    assert args[4].shape == (1,) and args[5] == 0 and args[-1] == 0.5
+    kl_div.kl_div_loss_and_grad(s, torch.softmax(t, -1), None, eps=0.0)
+    assert recorder.calls[-1][-1] > 0  # eps floored: q = 0 then contributes 0, never 0 * log 0
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+TOL = {bf16: dict(loss=2e-3, grad=2e-2), fp16: dict(loss=1e-3, grad=4e-3), fp32: dict(loss=1e-4, grad=2e-4)}
+
+
+def _compare(name, dtype, loss, grad, ref_loss, ref_grad):
+    tol = TOL[dtype]
+    torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=tol["loss"], atol=tol["loss"], msg=name)
+    ref = ref_grad.double()
+    # relative to the row's largest entry: gradients of tiny probabilities are rounded to the dtype anyway
+    err = (grad.double() - ref).abs() / (ref.abs().amax(dim=-1, keepdim=True) + 1e-30)
+    assert err.max().item() <= tol["grad"], f"{name}: max row-relative gradient error {err.max().item():.3e}"
+
+
+def _reference_rows(rows_fn, x, *others, grad_scale=None):
+    """Reference loss rows (fp32) and grad_scale * d rows / dx."""
+    z = x.detach().float().requires_grad_()
+    rows = rows_fn(z, *others)
+    scale = torch.ones_like(rows) if grad_scale is None else grad_scale.float().expand_as(rows)
+    (grad,) = torch.autograd.grad(rows, z, scale)
+    return rows.detach(), grad
+
+
+def _strided(C, V, dtype, pad=0, scale=3.0):
+    return (torch.randn(C, V + pad, device="cuda") * scale).to(dtype)[:, :V]
+
+
+GPU_DTYPES = [bf16, fp16, fp32]
+GPU_VOCABS = [128256, 262208, 1000, 4099, 32003]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("V", GPU_VOCABS)
+def test_gpu_ce_matches_reference(dtype, V):
+    torch.manual_seed(0)
+    C = 6
+    for opts, pad, scale in [({}, 0, None), (dict(label_smoothing=0.1, lse_square_scale=1e-4), 8, torch.tensor(0.25)),
+                             (dict(softcap=20.0), 0, torch.rand(C))]:
+        x = _strided(C, V, dtype, pad)
+        target = torch.randint(0, V, (C,), device="cuda")
+        target[1] = -100
+        scale = None if scale is None else scale.cuda()
+        ref_loss, ref_grad = _reference_rows(lambda z, y: formulas.ce_rows(z, y, **opts), x, target, grad_scale=scale)
+        loss = ce.ce_loss_and_grad(x, target, grad_scale=scale, **opts)
+        _compare(f"ce {opts}", dtype, loss, x, ref_loss, ref_grad)
+        assert not x[1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("V", GPU_VOCABS)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gpu_jsd_matches_reference(dtype, V, beta):
+    torch.manual_seed(0)
+    C = 5
+    s, t = _strided(C, V, dtype, pad=16), _strided(C, V, dtype)
+    labels = torch.tensor([0, -100, 3, 4, 5], device="cuda")
+    scale = torch.tensor(0.5, device="cuda").expand(C)
+    ref_loss, ref_grad = _reference_rows(
+        lambda z, tt, y: formulas.jsd_rows(z, tt, y, beta=beta, temperature=2.0), s, t, labels, grad_scale=scale)
+    loss = jsd.jsd_loss_and_grad(s, t, labels, beta=beta, temperature=2.0, grad_scale=scale)
+    _compare(f"jsd beta={beta}", dtype, loss, s, ref_loss, ref_grad)
+    assert not s[1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("V", GPU_VOCABS)
+@pytest.mark.parametrize("log_target", [False, True])
+def test_gpu_kl_div_matches_reference(dtype, V, log_target):
+    torch.manual_seed(0)
+    C = 4
+    s = _strided(C, V, dtype)
+    q = torch.softmax(torch.randn(C, V, device="cuda") * 2.0, dim=-1)
+    q[0, :V // 2] = 0.0  # 0 log 0 = 0
+    target = (q.log() if log_target else q).to(dtype)
+    ref_loss, ref_grad = _reference_rows(
+        lambda z, qq: formulas.kl_div_rows(z, qq, None, temperature=1.5, log_target=log_target), s, target)
+    loss = kl_div.kl_div_loss_and_grad(s, target, None, temperature=1.5, log_target=log_target)
+    _compare(f"kl log_target={log_target}", dtype, loss, s, ref_loss, ref_grad)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_beyond_2_to_the_31_elements():
+    """C * V > 2^31: the last rows are addressed past int32 offsets."""
+    torch.manual_seed(0)
+    C, V = 8200, 262208
+    x = torch.randn(C, V, device="cuda", dtype=bf16)
+    target = torch.randint(0, V, (C,), device="cuda")
+    rows = torch.tensor([0, 1, C - 2, C - 1], device="cuda")
+    picked = x[rows].clone()
+    ref_loss, ref_grad = _reference_rows(formulas.ce_rows, picked, target[rows])
+    loss = ce.ce_loss_and_grad(x, target)
+    _compare("ce C*V > 2^31", bf16, loss[rows], x[rows], ref_loss, ref_grad)
+
+
+@pytest.mark.gpu
+def test_gpu_new_shapes_do_not_recompile():
+    x = torch.randn(4, 4096, device="cuda", dtype=bf16)
+    ce.ce_loss_and_grad(x, torch.zeros(4, dtype=i64, device="cuda"))
+    before = ce._compiled.cache_info().currsize
+    for C, V in [(7, 1024), (33, 128256), (2, 8)]:
+        ce.ce_loss_and_grad(torch.randn(C, V, device="cuda", dtype=bf16), torch.zeros(C, dtype=i64, device="cuda"))
+    assert ce._compiled.cache_info().currsize == before
