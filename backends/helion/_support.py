@@ -1,0 +1,219 @@
+"""What the Helion kernels of this backend share: capability, config lookup, compiled-kernel cache, launch helpers.
+
+Configs come from the committed tables in configs/<kernel>.json, keyed by GPU family ("sm90"), dtype ("bf16")
+and a shape bucket (a power of two); a key the table lacks falls back to the kernel's hand-written default.
+LIGER_HELION_AUTOTUNE=1 hands the choice to Helion's autotuner instead (slow on first call; results cached on
+disk by Helion). benchmarks/helion_tune.py regenerates the tables.
+"""
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import helion
+import helion.language as hl
+
+from liger_dispatch import Capability
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again by a later pass / the last time
+
+# Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
+# kernel bodies eagerly in PyTorch. Either way the kernels take CPU tensors.
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = TRITON_INTERPRETER or os.environ.get("HELION_INTERPRET") == "1"
+DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MIN_CC = (8, 0)
+AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+_INT32_LIMIT = 2**31 - 1
+
+
+PRIORITY = 30
+CAPABILITY = Capability(devices=DEVICES, min_cc=MIN_CC, dtypes=DTYPES, modules=("helion",))
+
+
+# ---------------------------------------------------------------- configs
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def bucket(n: int) -> int:
+    """The shape bucket of a size: the next power of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@functools.cache
+def device_family(device: torch.device) -> str:
+    """"sm90" for an H100/H200, "cpu" for interpreted runs."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def config_key(family: str, dtype: torch.dtype, size_bucket: int) -> str:
+    return f"{family}/{DTYPE_NAMES.get(dtype, str(dtype))}/{size_bucket}"
+
+
+@functools.cache
+def config_table(kernel_name: str, config_dir: Path = CONFIG_DIR) -> dict:
+    """{key: config dict} of configs/<kernel_name>.json; empty when the file is missing."""
+    path = config_dir / f"{kernel_name}.json"
+    if not path.exists():
+        return {}
+    return {key: entry["config"] for key, entry in json.loads(path.read_text())["configs"].items()}
+
+
+def lookup_config(kernel_name: str, key: str, default: dict, config_dir: Path = CONFIG_DIR) -> tuple[dict, str]:
+    """(config, "tuned" | "default"): the committed config for key, else the hand-written default."""
+    tuned = config_table(kernel_name, config_dir).get(key)
+    return (tuned, "tuned") if tuned is not None else (default, "default")
+
+
+# ---------------------------------------------------------------- kernels
+
+
+class Kernel:
+    """A Helion kernel body with its config table: picks a config per call, compiles once per config.
+
+    default_config(size_bucket) -> config dict, the hand-written fallback. Calls give the tensor whose device
+    and dtype key the lookup, the size that is bucketed (V for the loss kernels), and whether some offset can
+    reach 2**31 (then indices are int64; Helion's own check looks at numel only, not at row strides).
+    """
+
+    def __init__(self, fn: Callable, name: str, default_config: Callable[[int], dict]):
+        self.fn = fn
+        self.name = name
+        self.default_config = default_config
+
+    def __call__(self, *args, like: torch.Tensor, size: int, int64: bool):
+        return self.compiled(like.device, like.dtype, bucket(size), int64)(*args)
+
+    @functools.lru_cache(maxsize=None)
+    def compiled(self, device: torch.device, dtype: torch.dtype, size_bucket: int, int64: bool) -> helion.Kernel:
+        index_dtype = torch.int64 if int64 else torch.int32
+        if AUTOTUNE:
+            return helion.kernel(self.fn, static_shapes=False, index_dtype=index_dtype)
+        key = config_key(device_family(device), dtype, size_bucket)
+        config, _ = lookup_config(self.name, key, self.default_config(size_bucket))
+        return compile_with(self.fn, config, int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_with(fn: Callable, config_json: str, int64: bool) -> helion.Kernel:
+    return helion.kernel(
+        fn,
+        config=helion.Config(**json.loads(config_json)),
+        static_shapes=False,
+        index_dtype=torch.int64 if int64 else torch.int32,
+        autotune_effort="none",
+    )
+
+
+def compile_with(fn: Callable, config: dict, int64: bool) -> helion.Kernel:
+    """The Helion kernel of fn under one fixed config (cached: one per (fn, config, index width))."""
+    return _compile_with(fn, json.dumps(config, sort_keys=True), int64)
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset of any tensor (strides included) can exceed int32."""
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+            if span > _INT32_LIMIT:
+                return True
+    return False
+
+
+def row_scale(grad_scale: Optional[torch.Tensor], rows: int, like: torch.Tensor) -> torch.Tensor:
+    """grad_scale as a [rows] fp32 view the kernels index per row (stride 0 for 0-d or None); no host sync."""
+    if grad_scale is None:
+        return _ones(like.device).expand(rows)
+    if grad_scale.dim() == 0:
+        return grad_scale.to(torch.float32).expand(rows)
+    return grad_scale.to(torch.float32)
+
+
+@functools.cache
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [C, V] with unit column stride as the 1-D span of its storage, for one-element gathers at row*stride + j."""
+    span = (x.shape[0] - 1) * x.stride(0) + x.shape[1]
+    return x.as_strided((span,), (1,))
+
+
+def check_rows(name: str, x: torch.Tensor) -> None:
+    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
+        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+
+
+# ---------------------------------------------------------------- Triton interpreter
+
+
+def _patch_interpreter() -> None:
+    """Two gaps of Triton's interpreter that Helion's generated code falls into; compiled Triton is untouched.
+
+    - Helion lowers torch.exp2 / log2 / tanh / rsqrt to libdevice, which compiled Triton links from the CUDA
+      libdevice and the interpreter leaves as empty stubs: here they compute in numpy on the interpreter's arrays.
+    - With dynamic shapes, loops run to a runtime bound (`tl.range(0, V, BLOCK)`), which the interpreter turns
+      into int() of a 1-element array, an error since numpy 2: take the element instead.
+    """
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import TensorHandle
+    import triton.language as tl
+
+    def unary(np_fn):
+        def fn(x):
+            data = x.handle.data
+            with np.errstate(all="ignore"):
+                out = np_fn(data).astype(data.dtype)
+            return tl.core.tensor(TensorHandle(out, x.handle.dtype.scalar), x.type)
+
+        return fn
+
+    for name, np_fn in {
+        "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+        "rsqrt": lambda a: 1.0 / np.sqrt(a), "sqrt": np.sqrt,
+    }.items():
+        setattr(libdevice, name, unary(np_fn))
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_tensor_index
+
+
+if TRITON_INTERPRETER:
+    _patch_interpreter()
+
+
+# ---------------------------------------------------------------- in-kernel helpers (inlined by Helion)
+
+
+def online_step(m, u, in_row):
+    """One block of an online softmax in base 2 (Milakov & Gimelshein) over rows of u.
+
+    m: running max per row; u: this block's base-2 logits. Returns the new max, alpha [rows, 1] that sums kept
+    relative to the old max are rescaled by, and exp2(u - m_new) (0 past the row end). Callers keep per-lane
+    sums (d = d * alpha + e) and reduce them once, after the last block: only the max is reduced per block.
+    """
+    m_new = torch.maximum(m, torch.amax(u, dim=1))
+    alpha = torch.exp2(m - m_new).unsqueeze(1)
+    return m_new, alpha, torch.where(in_row, torch.exp2(u - m_new.unsqueeze(1)), 0.0)

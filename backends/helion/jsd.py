@@ -1,0 +1,187 @@
+"""Generalized JSD between student and teacher logits: loss and student gradient as one Helion kernel per beta.
+
+All logs are base 2 in the kernels: s2 = student * log2(e) / T, t2 likewise; ls2 = log2 q, lt2 = log2 p.
+beta = 0 (KL(p||q)) and beta = 1 (KL(q||p)) take 2 passes over each row: their loss is an expectation the online
+softmax rescales as the max moves, and the gradient's cross-column term is the loss itself (beta = 1) or absent
+(beta = 0). Any other beta needs log m_j = log(beta p_j + (1 - beta) q_j), known only once both normalizers are:
+3 passes (statistics; loss and sum_k q_k (ls_k - lm_k); gradient). The teacher is only read.
+"""
+
+from typing import Optional
+
+import torch
+import helion.language as hl
+
+from liger_dispatch import register_backend
+
+from ._support import (
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, check_rows, needs_int64, online_step, row_scale,
+)
+
+_TINY = 1.1754943508222875e-38  # smallest normal fp32: m underflows only where p and q both do
+
+
+def _valid_rows(labels, tile_c, ignore_index):
+    if labels is not None:
+        return labels[tile_c] != ignore_index
+    return hl.full([tile_c], 1, dtype=torch.int32) != 0
+
+
+def _forward_kl(
+    student: torch.Tensor, teacher: torch.Tensor, labels: Optional[torch.Tensor], scale: torch.Tensor,
+    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float,
+) -> None:
+    """beta = 0: KL(p||q) = E_p[t2 - s2] - lse_t + lse_s (times ln 2); dL/ds = q - p."""
+    C, V = student.shape
+    block_c = hl.register_block_size(C)
+    block_v = hl.register_block_size(V)
+    for tile_c in hl.tile(C, block_size=block_c):
+        valid = _valid_rows(labels, tile_c, ignore_index)
+        row_mask = valid[:, None]  # ignored rows are never read
+        m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        e_p_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        for tile_v in hl.tile(V, block_size=block_v):
+            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            in_row = tile_v.index[None, :] < V
+            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            d_s = d_s * alpha_s + e_s
+            d_t = d_t * alpha_t + e_t
+            e_p_diff = e_p_diff * alpha_t + e_t * (t2 - s2)
+        sum_t = torch.sum(d_t, dim=1)
+        lse_s = m_s + torch.log2(torch.sum(d_s, dim=1))
+        lse_t = m_t + torch.log2(sum_t)
+        loss[tile_c] = torch.where(valid, (torch.sum(e_p_diff, dim=1) / sum_t - lse_t + lse_s) * LN2, 0.0)
+        g_scale = torch.where(valid, scale[tile_c], 0.0) * grad_mult
+        for tile_v in hl.tile(V, block_size=block_v):
+            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
+            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
+            g = g_scale[:, None] * (torch.exp2(s2 - lse_s[:, None]) - torch.exp2(t2 - lse_t[:, None]))
+            student[tile_c, tile_v] = g.to(student.dtype)
+
+
+def _reverse_kl(
+    student: torch.Tensor, teacher: torch.Tensor, labels: Optional[torch.Tensor], scale: torch.Tensor,
+    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float,
+) -> None:
+    """beta = 1: KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = KL2; dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)."""
+    C, V = student.shape
+    block_c = hl.register_block_size(C)
+    block_v = hl.register_block_size(V)
+    for tile_c in hl.tile(C, block_size=block_c):
+        valid = _valid_rows(labels, tile_c, ignore_index)
+        row_mask = valid[:, None]  # ignored rows are never read
+        m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        e_q_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        for tile_v in hl.tile(V, block_size=block_v):
+            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            in_row = tile_v.index[None, :] < V
+            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            d_s = d_s * alpha_s + e_s
+            d_t = d_t * alpha_t + e_t
+            e_q_diff = e_q_diff * alpha_s + e_s * (s2 - t2)
+        sum_s = torch.sum(d_s, dim=1)
+        lse_s = m_s + torch.log2(sum_s)
+        lse_t = m_t + torch.log2(torch.sum(d_t, dim=1))
+        kl2 = torch.sum(e_q_diff, dim=1) / sum_s - lse_s + lse_t
+        loss[tile_c] = torch.where(valid, kl2 * LN2, 0.0)
+        g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * LN2)
+        shift = lse_s - lse_t + kl2
+        for tile_v in hl.tile(V, block_size=block_v):
+            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
+            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
+            g = g_scale[:, None] * torch.exp2(s2 - lse_s[:, None]) * (s2 - t2 - shift[:, None])
+            student[tile_c, tile_v] = g.to(student.dtype)
+
+
+def _mixture(
+    student: torch.Tensor, teacher: torch.Tensor, labels: Optional[torch.Tensor], scale: torch.Tensor,
+    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float, beta: float,
+) -> None:
+    """0 < beta < 1: loss = beta KL(p||m) + (1-beta) KL(q||m); dL/ds_j = (1-beta) q_j ln2 ((ls2_j - lm2_j) - X2)
+    with X2 = sum_k q_k (ls2_k - lm2_k)."""
+    C, V = student.shape
+    block_c = hl.register_block_size(C)
+    block_v = hl.register_block_size(V)
+    for tile_c in hl.tile(C, block_size=block_c):
+        valid = _valid_rows(labels, tile_c, ignore_index)
+        row_mask = valid[:, None]  # ignored rows are never read
+        m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
+        d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        for tile_v in hl.tile(V, block_size=block_v):
+            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            in_row = tile_v.index[None, :] < V
+            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            d_s = d_s * alpha_s + e_s
+            d_t = d_t * alpha_t + e_t
+        lse_s = m_s + torch.log2(torch.sum(d_s, dim=1))
+        lse_t = m_t + torch.log2(torch.sum(d_t, dim=1))
+
+        row_loss = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        cross = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        for tile_v in hl.tile(V, block_size=block_v):
+            ls2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2 - lse_s[:, None]
+            lt2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2 - lse_t[:, None]
+            q = torch.exp2(ls2)
+            p = torch.exp2(lt2)
+            lm2 = torch.log2(torch.clamp_min(beta * p + (1.0 - beta) * q, _TINY))
+            in_row = tile_v.index[None, :] < V
+            q_term = torch.where(in_row, q * (ls2 - lm2), 0.0)
+            row_loss = row_loss + beta * torch.where(in_row, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
+            cross = cross + q_term
+        loss[tile_c] = torch.where(valid, torch.sum(row_loss, dim=1) * LN2, 0.0)
+        cross2 = torch.sum(cross, dim=1)
+        g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * (1.0 - beta) * LN2)
+        for tile_v in hl.tile(V, block_size=block_v):
+            ls2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2 - lse_s[:, None]
+            lt2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2 - lse_t[:, None]
+            q = torch.exp2(ls2)
+            lm2 = torch.log2(torch.clamp_min(beta * torch.exp2(lt2) + (1.0 - beta) * q, _TINY))
+            g = g_scale[:, None] * q * (ls2 - lm2 - cross2[:, None])
+            student[tile_c, tile_v] = g.to(student.dtype)
+
+
+def default_config(v_bucket: int) -> dict:
+    """One row a program, blocks of up to 2048 columns (two inputs and up to three per-lane sums per thread)."""
+    block_v = min(2048, max(16, v_bucket))
+    return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v // 256)), "num_stages": 1}
+
+
+FORWARD_KL = Kernel(_forward_kl, "jsd_loss_and_grad", default_config)
+REVERSE_KL = Kernel(_reverse_kl, "jsd_loss_and_grad", default_config)
+MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
+
+
+@register_backend("jsd_loss_and_grad", backend="helion", priority=PRIORITY, capability=CAPABILITY)
+def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
+                      grad_scale=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
+    check_rows("student_logits", student_logits)
+    check_rows("teacher_logits", teacher_logits)
+    C, V = student_logits.shape
+    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    if C == 0:
+        return loss
+    args = (student_logits, teacher_logits, labels, row_scale(grad_scale, C, student_logits), loss,
+            int(ignore_index), LOG2E / temperature, 1.0 / temperature)
+    launch = dict(like=student_logits, size=V, int64=needs_int64(student_logits, teacher_logits))
+    if beta == 0.0:
+        FORWARD_KL(*args, **launch)
+    elif beta == 1.0:
+        REVERSE_KL(*args, **launch)
+    else:
+        MIXTURE(*args, float(beta), **launch)
+    return loss
