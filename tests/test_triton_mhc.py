@@ -1,0 +1,190 @@
+"""The Triton mHC coefficient kernels against float64 autograd of the reference formulas: the five forward
+outputs and all six gradients, every launch path (fused and split-K forward; grouped and single-group
+MM backward; several producer blocks), missing upstream gradients, determinism.
+
+On the CPU they run under TRITON_INTERPRET=1 with tiny shapes and forced small tiles; `pytest -m gpu` adds
+the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix  # noqa: E402
+from liger_dispatch.backends.triton import mhc  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIONS = dict(rms_eps=1e-6, pre_eps=0.01, sinkhorn_eps=1e-6, post_mult=2.0)
+GRAD_NAMES = ("grad_x", "grad_phi", "grad_b", "grad_alpha_pre", "grad_alpha_post", "grad_alpha_res")
+# relative Frobenius error: fp32 math throughout (fp32 dots are 3-pass tf32 on the GPU); for 16-bit inputs the
+# backward's grad_mix * rstd is rounded to the dtype for the tensor-core dots, and grad_x / grad_phi are stored in it
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# tiny tiles so that CPU shapes cross every block boundary, split K and group the MM backward's rows
+SPLIT_FWD = dict(BM=16, BK=16, split=2)
+GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(hash(request.node.name) % 2**31)
+
+
+def inputs(m, hc, c, dtype=torch.float32, x_row_stride=None):
+    """x [m, hc*c] (a view into a wider buffer when x_row_stride is given), phi, b and the three alphas."""
+    k, n = hc * c, hc * hc + 2 * hc
+    x = torch.randn(m, x_row_stride or k, device=DEVICE).to(dtype)[:, :k]
+    phi = (torch.randn(k, n, device=DEVICE) * k ** -0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE) * 0.5
+    alphas = [torch.tensor(v, device=DEVICE) for v in (0.8, 1.3, 0.9)]
+    return x, phi, b, *alphas
+
+
+def upstream(m, hc, present=(True, True, True)):
+    shapes = ((m, hc), (m, hc), (m, hc, hc))
+    return [torch.randn(s, device=DEVICE) if p else None for s, p in zip(shapes, present)]
+
+
+def reference(args, grads, hc, tmax):
+    """Float64 forward outputs (h_pre, h_post, h_res, mix, rstd) and the six gradients through autograd."""
+    leaves = [t.detach().double().requires_grad_() for t in args]
+    mix, rstd = mhc_mix(leaves[0], leaves[1], rms_eps=OPTIONS["rms_eps"])
+    coeffs = mhc_coeffs_from_mix(mix, *leaves[2:], hc=hc, tmax=tmax, pre_eps=OPTIONS["pre_eps"],
+                                 sinkhorn_eps=OPTIONS["sinkhorn_eps"], post_mult=OPTIONS["post_mult"])
+    pairs = [(h, g.double()) for h, g in zip(coeffs, grads) if g is not None]
+    if pairs:
+        outs, gs = zip(*pairs)
+        expected = torch.autograd.grad(outs, leaves, gs, allow_unused=True)
+        expected = [torch.zeros_like(t) if g is None else g for g, t in zip(expected, leaves)]
+    else:
+        expected = [torch.zeros_like(t) for t in leaves]
+    return [t.detach() for t in (*coeffs, mix, rstd)], expected
+
+
+def rel_err(got, want):
+    got, want = got.detach().double(), want.double()
+    scale = want.norm()
+    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
+
+
+def run(m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), fwd_config=None, bwd_config=None,
+        x_row_stride=None):
+    args = inputs(m, hc, c, dtype, x_row_stride)
+    grads = upstream(m, hc, present)
+    outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, config=fwd_config, **OPTIONS)
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, config=bwd_config, **OPTIONS)
+    want_outs, want_grads = reference(args, grads, hc, tmax)
+
+    for name, o, w in zip(("h_pre", "h_post", "h_res", "mix", "rstd"), outs, want_outs):
+        assert o.dtype == torch.float32 and o.shape == w.shape, name
+        torch.testing.assert_close(o.double(), w, rtol=1e-4, atol=1e-5, msg=name)
+    for name, g, w, a in zip(GRAD_NAMES, got, want_grads, args):
+        assert g.dtype == (a.dtype if name in ("grad_x", "grad_phi") else torch.float32), name
+        assert g.shape == a.shape, name
+        assert torch.isfinite(g).all(), name
+        err = rel_err(g, w)
+        assert err <= REL_TOL[dtype], f"{name}: relative error {err:.2e} > {REL_TOL[dtype]:.0e}"
+    return args, grads, outs, got
+
+
+# ---------------------------------------------------------------- CPU (interpreter), tiny shapes
+
+
+@pytest.mark.parametrize("tmax", [1, 3])
+@pytest.mark.parametrize("hc,c", [(2, 16), (4, 8)])
+@pytest.mark.parametrize("m", [1, 7])
+def test_matches_float64(m, hc, c, tmax):
+    run(m, hc, c, tmax)
+
+
+@pytest.mark.parametrize("hc,c", [(2, 16), (4, 8)])
+def test_split_k_forward_and_grouped_backward(hc, c):
+    run(37, hc, c, 3, fwd_config=SPLIT_FWD, bwd_config=GROUPED_BWD)
+
+
+def test_many_producer_blocks():
+    """More producer blocks than the reducer takes in one step (its loop runs twice)."""
+    run(69, 2, 8, 2, bwd_config=dict(BR=2))
+
+
+def test_hc8():
+    run(5, 8, 2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    run(9, 4, 8, 3, dtype, x_row_stride=40, fwd_config=SPLIT_FWD, bwd_config=GROUPED_BWD)
+
+
+@pytest.mark.parametrize("present", [(False, True, True), (True, False, False), (False, False, True),
+                                     (False, False, False)], ids=["no-pre", "pre-only", "res-only", "none"])
+def test_missing_upstream_gradients(present):
+    run(6, 4, 8, 3, present=present)
+
+
+def test_strided_inputs():
+    """x rows wider than K, upstream gradients that are non-contiguous views."""
+    m, hc, c, tmax = 5, 4, 8, 3
+    args = inputs(m, hc, c, x_row_stride=hc * c + 8)
+    grads = [g.transpose(0, -1).contiguous().transpose(0, -1) for g in upstream(m, hc)]
+    assert not grads[2].is_contiguous()
+    outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS)
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS)
+    _, want = reference(args, grads, hc, tmax)
+    for name, g, w in zip(GRAD_NAMES, got, want):
+        assert rel_err(g, w) <= REL_TOL[torch.float32], name
+
+
+def test_backward_is_deterministic():
+    args, grads, outs, first = run(37, 4, 8, 3, bwd_config=GROUPED_BWD)
+    again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=3, config=GROUPED_BWD, **OPTIONS)
+    for name, a, b in zip(GRAD_NAMES, first, again):
+        assert torch.equal(a, b), name
+
+
+def test_empty_batch():
+    args = inputs(0, 4, 8)
+    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
+    assert [tuple(o.shape) for o in outs] == [(0, 4), (0, 4), (0, 4, 4), (0, 24), (0,)]
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(0, 4), hc=4, tmax=3)
+    assert got[0].shape == (0, 32) and not got[1].any() and not got[2].any()
+
+
+def test_capability_rejects_unsupported_hc():
+    predicate = mhc.MHC_CAPABILITY.predicate
+    assert predicate(*inputs(2, 4, 8), hc=4) is None
+    assert "hc=3" in predicate(torch.zeros(2, 6), torch.zeros(6, 15), hc=3)
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,c", [(512, 1024), (2048, 4096)], ids=["T512-C1024", "T2048-C4096"])
+def test_gpu_real_shapes_bf16(t, c):
+    args, grads, outs, first = run(4 * t, 4, c, 20, torch.bfloat16)
+    again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=20, **OPTIONS)
+    for name, a, b in zip(GRAD_NAMES, first, again):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_other_dtypes(dtype):
+    run(4 * 512, 4, 1024, 20, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hc", [2, 8])
+def test_gpu_other_streams(hc):
+    run(4 * 512, hc, 1024, 20, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 100, 300])
+def test_gpu_small_batches_split_k(m):
+    """Few rows: the forward splits K (two launches)."""
+    run(m, 4, 4096, 20, torch.bfloat16)
