@@ -22,6 +22,7 @@ from benchmarks.providers import EAGER, Provider, formula
 from benchmarks.shapes import Case
 
 OK, FAIL, OOM, SKIPPED, NOT_APPLICABLE = "ok", "FAIL", "OOM", "skipped", "n/a"
+NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, never recorded
 MAX_INPUT_COPIES = 8
 # Calls one timed row makes: check, first call, do_bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
@@ -68,8 +69,7 @@ class History:
             self._last[self._key(case, provider)] = (case.n, outcome)
 
     def skip_reason(self, case: Case, provider: str, s: Settings) -> Optional[str]:
-        if time.monotonic() > s.deadline:
-            return "time budget of the run spent (--time-budget-s)"
+        """Why this size is out of the provider's reach, judged from its last smaller size."""
         last = self._last.get(self._key(case, provider))
         if last is None or last[0] >= case.n:
             return None
@@ -97,6 +97,10 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
         history.record(case, p.name, outcome)
         done(p, outcome)
 
+    if time.monotonic() > s.deadline:  # not even the reference is worth computing
+        for p in providers:
+            finish(p, _skip(case, p, s, history))
+        return
     passed: list[tuple[Provider, Callable, tuple[float, float]]] = []
     checked_at = case.n
     try:
@@ -107,9 +111,9 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
             finish(p, Outcome(FAIL, notes=[f"no eager reference: {_describe(exc)}"]))
         return
     for p in providers:
-        reason = history.skip_reason(case, p.name, s)
-        if reason:
-            finish(p, Outcome(SKIPPED, notes=[reason]))
+        skip = _skip(case, p, s, history)
+        if skip:
+            finish(p, skip)
             continue
         outcome, fn, errors = _check(p, case, check_inputs, want, checked_at, s)
         if outcome is None:
@@ -125,9 +129,10 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
         note.append(f"inputs rotated over {len(sets)} sets")
     leaves = [leaf for inputs in sets for leaf in inputs.leaves]
     for p, fn, errors in passed:
-        reason = history.skip_reason(case, p.name, s)
-        if reason:
-            finish(p, Outcome(SKIPPED, errors=errors, notes=[reason]))
+        skip = _skip(case, p, s, history)
+        if skip:
+            skip.errors = errors
+            finish(p, skip)
             continue
         outcome = None
         try:
@@ -143,6 +148,13 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
         _cleanup(s.device)
         _ensure_device(s.device, p.name)
         finish(p, outcome)
+
+
+def _skip(case: Case, p: Provider, s: Settings, history: History) -> Optional[Outcome]:
+    if time.monotonic() > s.deadline:
+        return Outcome(NOT_REACHED, notes=["the run's time budget was spent (--time-budget-s)"])
+    reason = history.skip_reason(case, p.name, s)
+    return Outcome(SKIPPED, notes=[reason]) if reason else None
 
 
 def _reference(case: Case, s: Settings):
@@ -163,7 +175,7 @@ def _reference(case: Case, s: Settings):
 def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
     """(failing outcome or None, the provider's callable, (output error, gradient error))."""
     if p.name == EAGER and checked_at == case.n:
-        return None, p.build(case), (0.0, 0.0)  # it is the reference
+        return None, p.build(case), (math.nan, math.nan)  # it is the reference
     failed = None
     try:
         fn = p.build(case)

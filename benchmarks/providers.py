@@ -17,6 +17,7 @@ from benchmarks.shapes import LM_OPS, Case
 EAGER = "torch"
 COMPILED = "torch.compile"
 REFERENCE = "reference"
+_NOT_OURS = {EAGER, COMPILED, *peers.PEERS}
 # Arguments whose first dimension is N: kept dynamic so one compilation serves the whole N sweep.
 _ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3)}
 
@@ -102,7 +103,10 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype,
     Without `requested`: every usable backend but the reference, torch, torch.compile and every
     installed peer that has this op. With it: exactly those names (the reference included, if asked).
     """
-    usable, not_usable = _our_backends(op, device, dtype)
+    if requested is None or any(name not in _NOT_OURS for name in requested):
+        usable, not_usable = _our_backends(op, device, dtype)
+    else:  # asking the framework would import every backend module: seconds, for nothing
+        usable, not_usable = [], {}
     chosen: list[Provider] = []
     skipped: list[tuple[str, str]] = []
     ours = [b for b in usable if requested is not None or b != REFERENCE]
@@ -113,6 +117,8 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype,
             skipped.append((backend, f"not available: {reason}"))
     chosen += [Provider(EAGER, _eager), Provider(COMPILED, _Compiled())]
     for name, peer in peers.PEERS.items():
+        if requested is not None and name not in requested:
+            continue
         if op not in peer.ops:
             if requested is not None:
                 skipped.append((name, f"has no {op}"))
@@ -131,14 +137,17 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype,
     return chosen, skipped
 
 
-def known_names() -> set[str]:
-    """Every provider name a user may ask for (our backends as registered for any op)."""
+def unknown_names(names: Sequence[str]) -> list[str]:
+    """The names that are neither a provider of the harness nor a backend registered for any op."""
+    names = [n for n in names if n not in _NOT_OURS | {REFERENCE}]
+    if not names:
+        return []
     from liger_dispatch import dispatch
 
-    names = {EAGER, COMPILED, REFERENCE, *peers.PEERS}
+    ours = set()
     for op in (*LM_OPS, "mhc_coeffs"):
         try:
-            names.update(dispatch.registered_backends(op))
+            ours.update(dispatch.registered_backends(op))
         except KeyError:  # an op not declared (yet)
             pass
-    return names
+    return [n for n in names if n not in ours]

@@ -27,15 +27,16 @@ _RUN_COLUMNS = ("date", "gpu", "driver", "torch", "triton", "helion", "cutlass",
                 "command")
 
 METHOD = """\
-Time: median (p20-p80) of CUDA-event timings by `triton.testing.do_bench` after warm-up, L2 flushed and
-gradients set to None before every repetition; inputs rotated over several sets where one set would fit in L2.
-Memory: peak allocated during one call above what was allocated before it (gradients count, inputs do not).
-x roofline: time / max(GEMM FLOPs at the bf16 matmul rate, bytes at the copy bandwidth), both measured in
-the same run. GEMM FLOPs per pass: flce and kl fwd 2NHV, bwd 4NHV; jsd fwd 4NHV, bwd 4NHV; fwd+bwd is the
-sum. mHC is bound by bytes: x and phi read once per pass, their gradients written once. fwd runs under
-torch.no_grad; bwd times backward alone. Every provider is first checked against the torch eager formulas
-on fresh random inputs (relative norm of the loss / outputs and of every gradient; bf16 and fp16 1e-2,
-fp32 2e-3): FAIL rows are not timed. torch.compile is compiled once per shape preset (N dynamic), before timing."""
+Time: median (p20-p80) of CUDA-event timings by `triton.testing.do_bench` (a host clock on the CPU) after
+warm-up, L2 flushed and gradients set to None before every repetition; inputs rotated over several sets
+where one set would fit in L2. Memory: peak allocated during one call above what was allocated before it
+(gradients count, inputs do not). x roofline: time / max(GEMM FLOPs at the bf16 matmul rate, bytes at the
+copy bandwidth), both measured in the same run. GEMM FLOPs per pass: flce and kl fwd 2NHV, bwd 4NHV; jsd
+fwd 4NHV, bwd 4NHV; fwd+bwd is the sum. mHC is bound by bytes: x and phi read once per pass, their
+gradients written once. fwd runs under torch.no_grad; bwd times backward alone. Every provider is first
+checked against the torch eager formulas (torch is the reference) on fresh random inputs: relative norm of
+the loss or outputs and of every gradient, bf16 and fp16 1e-2, fp32 2e-3; FAIL rows are not timed.
+torch.compile is compiled once per shape preset (N dynamic), before timing."""
 
 
 def _fmt(value) -> str:
@@ -215,6 +216,8 @@ def write_plots(out_dir: Path, stem: str, rows: list[dict[str, str]]) -> list[Pa
         ax_time.legend(fontsize=8)
         if ax_mem.lines:
             ax_mem.legend(fontsize=8)
+        else:
+            ax_mem.text(0.5, 0.5, "no memory statistics off CUDA", ha="center", transform=ax_mem.transAxes)
         fig.suptitle(f"{op}  {shape} ({common})  {dtype}  {mode}")
         fig.text(0.01, 0.01, _footer(group), fontsize=7, va="bottom")
         fig.tight_layout(rect=(0, 0.07, 1, 0.95))

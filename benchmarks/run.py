@@ -71,8 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.mode = _listed(args.mode)
     _check_choices(p, "--mode", args.mode, shapes.MODES)
     args.providers = _listed(args.providers)
-    if args.providers:
-        _check_choices(p, "--providers", args.providers, providers.known_names())
+    if args.providers and providers.unknown_names(args.providers):
+        p.error(f"--providers: unknown {', '.join(providers.unknown_names(args.providers))}")
     return args
 
 
@@ -125,13 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # CPU runs exercise the harness on tiny shapes: one thread, or OpenMP's spinning on a busy
+        # machine makes each tiny op take milliseconds.
+        torch.set_num_threads(1)
     args.shapes = args.shapes or (["llama3"] if device.type == "cuda" else ["tiny"])
     env = environment.collect(device, argv)
     console = Console(soft_wrap=True)
     if not console.is_terminal:  # logs of a device run: no wrapping at 80 columns
         console.width = 160
     console.print(f"{env.gpu} | driver {env.driver} | " + " | ".join(f"{k} {v}" for k, v in env.versions.items()))
-    tflops, gbps = timing.matmul_tflops(device), timing.copy_gbps(device)
+    tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
     settings = measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
                                 tflops, gbps, timing.l2_bytes(device), args.seed)
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{env.gpu_short}.csv"
     history = measure.History()
-    this_run: list[dict[str, str]] = []
+    this_run: list[dict[str, str]] = []  # what goes into the CSV
     total = sum(len(chosen) + len(skipped) for _, chosen, skipped in plan) + 2 * (report.OVERHEAD in args.ops)
     status = 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def settle(case, name, outcome, roofline_ms=None):
             r = report.row(case, name, outcome, env, tflops, gbps, roofline_ms)
-            this_run.append(r)
+            if outcome.status != measure.NOT_REACHED:  # keep what an earlier run measured
+                this_run.append(r)
             progress.console.print(_line(r))
             progress.advance(task)
 

@@ -81,22 +81,22 @@ def peak_mb(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device) -
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def matmul_tflops(device: torch.device) -> float:
+def matmul_tflops(device: torch.device, rep_ms: float) -> float:
     """bf16 GEMM rate (8192^3 on a GPU; fp32 1024^3 on the CPU, only so the harness runs there)."""
     size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=gen).to(dtype)
     b = torch.randn(size, size, device=device, generator=gen).to(dtype)
-    t = bench(lambda: a @ b, [], device, warmup_ms=100, rep_ms=300)
+    t = bench(lambda: a @ b, [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
     return 2 * size**3 / (t.ms * 1e-3) / 1e12
 
 
-def copy_gbps(device: torch.device) -> float:
+def copy_gbps(device: torch.device, rep_ms: float) -> float:
     """Device-to-device copy bandwidth, bytes read plus written (1 GiB on a GPU, 64 MiB on the CPU)."""
     nbytes = 2**30 if device.type == "cuda" else 2**26
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), [], device, warmup_ms=50, rep_ms=200)
+    t = bench(lambda: dst.copy_(src), [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
     return 2 * nbytes / (t.ms * 1e-3) / 1e9
 
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU run in one command, on the device machine after `source .devcache/wheels/setup.sh`:
+# `pytest -m gpu`, then the full benchmark (every op at llama3, N in {1024, 4096, 8192, 16384}, bf16,
+# fwd+bwd, every provider), everything under $OUT. It fits a 10-minute call: the tests get at most
+# 4 minutes, the benchmark starts no row after 8 minutes in all (results are written as rows finish),
+# and a size a provider cannot fit or finish within --max-row-s is skipped, saying why.
+set -uo pipefail
+: "${OUT:?run on the device machine, where \$OUT is set}"
+cd "$(dirname "$0")/.."
+start=$SECONDS
+mkdir -p "$OUT/results"
+cp benchmarks/results/*.csv "$OUT/results/" 2>/dev/null  # earlier rows: the run merges into them
+
+echo "== pytest -m gpu (log: \$OUT/pytest-gpu.log)"
+timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider >"$OUT/pytest-gpu.log" 2>&1
+tests=$?
+tail -n 15 "$OUT/pytest-gpu.log"
+
+budget=$((480 - (SECONDS - start)))
+echo "== benchmark, ${budget} s budget (log: \$OUT/benchmark.log)"
+python3 -m benchmarks.run --ops all --shapes llama3 --n 1024 4096 8192 16384 --dtypes bf16 --mode fwd+bwd \
+    --rep-ms 120 --max-row-s 25 --time-budget-s "$budget" --out "$OUT/results" 2>&1 | tee "$OUT/benchmark.log"
+bench=${PIPESTATUS[0]}
+
+echo "== pytest -m gpu exit $tests, benchmark exit $bench, $((SECONDS - start)) s; results in \$OUT/results"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,0 +1,45 @@
+"""The benchmark harness end to end on the CPU: the tiny preset of every op through the real CLI.
+
+The CLI runs in a subprocess: dispatch_overhead registers a backend for the life of its process,
+which must not leak into the registry the other tests see.
+"""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs", "dispatch_overhead")
+REQUIRED = ("op", "shape", "n", "dtype", "provider", "mode", "ms", "ms_p20", "ms_p80", "peak_mb", "x_roofline")
+
+
+def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "benchmarks.run", "--ops", *OPS, "--shapes", "tiny", "--providers", "torch",
+               "--rep-ms", "1", "--warmup-ms", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    with (out / "cpu.csv").open(newline="") as f:
+        reader = csv.DictReader(f)
+        assert set(REQUIRED) <= set(reader.fieldnames)
+        rows = list(reader)
+    assert {r["op"] for r in rows} == set(OPS)
+    timed = [r for r in rows if r["op"] != "dispatch_overhead"]
+    assert all(r["status"] == "ok" and float(r["ms"]) > 0 and float(r["x_roofline"]) > 0 for r in timed), timed
+    assert all(r["command"].startswith("python -m benchmarks.run") and r["date"] for r in rows)
+
+    markdown = (out / "cpu.md").read_text()
+    for op in OPS:
+        assert f"## {op}" in markdown
+    assert len(list(out.glob("cpu_*.png"))) == 4  # one per op with a shape sweep
+
+    # Later invocations merge into the same file, replacing the rows of the same key.
+    remeasured = dict(rows[0], ms="1.5")
+    report.merge_csv(out / "cpu.csv", [remeasured, dict(rows[0], n="999999")])
+    merged = report.read_csv(out / "cpu.csv")
+    assert len(merged) == len(rows) + 1
+    assert [r["ms"] for r in merged if r == remeasured] == ["1.5"]
