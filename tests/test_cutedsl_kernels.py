@@ -7,7 +7,12 @@ On the GPU (`pytest -m gpu`): loss and in-place gradient match the reference for
 ragged V, strided rows, every grad_scale form, ignored rows and C * V > 2^31.
 """
 
+import ctypes
+import os
+import re
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,6 +171,107 @@ def test_host_path_passes_contiguous_labels_and_the_scale_view(recorder):
     assert recorder.calls[-1][-1] > 0  # eps floored: q = 0 then contributes 0, never 0 * log 0
 
 
+def test_fallback_views_have_the_compiled_dynamic_layouts():
+    """Without TVM-FFI, DLPack views must marshal as the fake tensors were compiled: same dynamic modes."""
+    import cutlass
+    from cutlass._mlir import ir
+    from cutlass.cute.runtime import from_dlpack
+
+    def layout(t):
+        (mlir_type,) = t.__get_mlir_types__()
+        return re.sub(r"\{i64[^}]*\}", "{i64}", str(mlir_type).split('"')[1])
+
+    syms = _support.Syms()
+    x = torch.randn(4, 72, dtype=bf16)[:, :64]
+    pairs = [(syms.matrix(cutlass.BFloat16, 8), x), (syms.per_row(cutlass.Int64), torch.zeros(4, dtype=i64)),
+             (syms.flat(), _support.scale_view(torch.tensor(0.5))[0])]
+    with ir.Context(), ir.Location.unknown():
+        for fake, real in pairs:
+            assert layout(fake) == layout(from_dlpack(real).mark_layout_dynamic(leading_dim=real.dim() - 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not _support.USE_TVM_FFI,
+                    reason="presents CPU memory as cuda:0 to TVM-FFI, which must not reach a real GPU")
+def test_tvm_ffi_accepts_every_call_the_wrappers_make():
+    """A child process (CUTE_DSL_ARCH must be set before cutlass is imported) runs the wrappers on CPU tensors
+    shown to TVM-FFI as cuda:0: argument checks (count, dtypes, shapes, strides, alignment) must pass and only
+    the launch fail, for want of a driver."""
+    env = dict(os.environ, CUTE_DSL_ARCH=_support.ARCH)
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "validated" in proc.stdout
+
+
+class _FakeCuda:
+    """A CPU tensor exported through DLPack as if it lived on cuda:0."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None, **_):
+        capsule = self.t.__dlpack__()
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        ctypes.c_int32.from_address(get(capsule, b"dltensor") + 8).value = 2  # DLTensor.device.device_type
+        return capsule
+
+
+def _probe_calls():
+    """Child of test_tvm_ffi_accepts_every_call_the_wrappers_make."""
+    import tvm_ffi
+
+    def validated_only(compiled):
+        def key(*k):
+            launcher = compiled(*k)
+
+            def call(*args):
+                try:
+                    launcher._ffi(*[tvm_ffi.from_dlpack(_FakeCuda(a)) if isinstance(a, torch.Tensor) else a
+                                    for a in args])
+                except RuntimeError as e:
+                    if "cuda" not in str(e).lower():
+                        raise
+                    return
+                raise AssertionError("launched without a GPU")
+
+            return call
+
+        return key
+
+    for module in OPS.values():
+        module._compiled = validated_only(module._compiled)
+    torch.manual_seed(0)
+    C = 6
+    y64 = torch.tensor([0, -100, 2, 3, 4, 5])
+    wide = lambda V, pad, dtype: torch.randn(C, V + pad).to(dtype)[:, :V]  # noqa: E731
+    calls = [
+        lambda: ce.ce_loss_and_grad(wide(1000, 0, bf16), y64, grad_scale=torch.tensor(0.5)),
+        lambda: ce.ce_loss_and_grad(wide(1001, 3, fp16), y64.int(), grad_scale=torch.rand(2 * C)[::2],
+                                    label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4),
+        lambda: ce.ce_loss_and_grad(wide(64, 0, fp32), y64),
+        lambda: jsd.jsd_loss_and_grad(wide(512, 0, bf16), wide(512, 0, fp32), None, beta=0.5,
+                                      grad_scale=torch.tensor(0.5).expand(C)),
+        lambda: jsd.jsd_loss_and_grad(wide(300, 8, fp16), wide(300, 0, fp16), y64.int(), beta=0.0, temperature=2.0),
+        lambda: jsd.jsd_loss_and_grad(wide(256, 0, bf16), wide(256, 0, bf16), y64, beta=1.0),
+        lambda: kl_div.kl_div_loss_and_grad(wide(800, 0, bf16), wide(800, 0, bf16).softmax(-1), y64,
+                                            grad_scale=torch.rand(C)),
+        lambda: kl_div.kl_div_loss_and_grad(wide(96, 4, fp32), wide(96, 0, fp32).log_softmax(-1), None,
+                                            log_target=True),
+    ]
+    for call in calls:
+        call()
+    try:  # negative control: the checks are live
+        jsd.jsd_loss_and_grad(wide(256, 0, bf16), wide(128, 0, bf16), y64, beta=1.0)
+    except ValueError:
+        print(f"validated {len(calls)} calls")
+        return 0
+    print("a teacher of the wrong width was accepted")
+    return 1
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 TOL = {bf16: dict(loss=2e-3, grad=2e-2), fp16: dict(loss=1e-3, grad=4e-3), fp32: dict(loss=1e-4, grad=2e-4)}
@@ -271,3 +377,7 @@ def test_gpu_new_shapes_do_not_recompile():
     for C, V in [(7, 1024), (33, 128256), (2, 8)]:
         ce.ce_loss_and_grad(torch.randn(C, V, device="cuda", dtype=bf16), torch.zeros(C, dtype=i64, device="cuda"))
     assert ce._compiled.cache_info().currsize == before
+
+
+if __name__ == "__main__":
+    sys.exit(_probe_calls())
