@@ -21,6 +21,7 @@ pytest.importorskip("cutlass")
 
 from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
+from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from liger_dispatch.table import TABLE  # noqa: E402
 
@@ -87,19 +88,19 @@ def _cubin_resources(cubin: bytes) -> dict:
 
 
 VARIANTS = [
-    (ce, (bf16, i64, 8, False, False, False)),
-    (ce, (fp32, i64, 4, True, True, True)),
-    (ce, (fp16, i32, 1, True, False, True)),
-    (jsd, (bf16, bf16, i64, 8, jsd.FORWARD_KL, True)),
-    (jsd, (bf16, bf16, None, 8, jsd.REVERSE_KL, False)),
-    (jsd, (fp32, bf16, i64, 4, jsd.MIXTURE, True)),
-    (jsd, (fp16, fp16, i32, 2, jsd.MIXTURE, False)),
-    (kl_div, (bf16, bf16, i64, 8, False, True)),
-    (kl_div, (bf16, fp32, None, 4, True, False)),
+    (ce, (bf16, i64, 8, ce.TUNING, False, False, False)),
+    (ce, (fp32, i64, 4, Tuning(threads=1024, unroll=2, l2_hints=False), True, True, True)),
+    (ce, (fp16, i32, 1, ce.TUNING, True, False, True)),
+    (jsd, (bf16, bf16, i64, 8, jsd.TUNING, jsd.FORWARD_KL, True)),
+    (jsd, (bf16, bf16, None, 8, Tuning(threads=512, unroll=4), jsd.REVERSE_KL, False)),
+    (jsd, (fp32, bf16, i64, 4, jsd.TUNING, jsd.MIXTURE, True)),
+    (jsd, (fp16, fp16, i32, 2, Tuning(threads=64, unroll=1), jsd.MIXTURE, False)),
+    (kl_div, (bf16, bf16, i64, 8, kl_div.TUNING, False, True)),
+    (kl_div, (bf16, fp32, None, 4, kl_div.TUNING, True, False)),
 ]
 
 
-@pytest.mark.parametrize("module, key", VARIANTS, ids=[f"{m.__name__.rsplit('.', 1)[1]}-{k}" for m, k in VARIANTS])
+@pytest.mark.parametrize("module, key", VARIANTS, ids=[f"{m.__name__.rsplit('.', 1)[1]}{i}" for i, (m, _) in enumerate(VARIANTS)])
 def test_kernel_compiles_for_sm90a_without_spills(module, key, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGER_CUTEDSL_DUMP_DIR", str(tmp_path))
     launcher = module._compiled.__wrapped__(*key)  # bypass the process cache: always compile here
@@ -133,7 +134,7 @@ def test_new_rows_columns_or_row_stride_reuse_the_compile_key(recorder):
     for C, V, pad in [(3, 64, 0), (17, 1024, 0), (5, 128256, 0), (2, 256, 64)]:
         buf = torch.randn(C, V + pad)
         ce.ce_loss_and_grad(buf[:, :V], torch.zeros(C, dtype=i64))
-    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, False, False, False)
+    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, ce.TUNING, False, False, False)
 
 
 def test_vector_width_follows_alignment_of_columns_stride_and_base():

@@ -1,10 +1,14 @@
 """Device-side building blocks of the row kernels: one CTA streams one row of a [C, V] tensor.
 
-A row is cut into tiles of THREADS * vec * unroll columns. In tile k, thread t owns `unroll` chunks of
-`vec` contiguous columns, chunk u starting at column k * tile + (u * THREADS + t) * vec, so each chunk
-is one 16-byte (or narrower, see _support.pick_vec) load and a warp reads consecutive chunks. Full
-tiles run unpredicated; the last, partial tile is predicated per chunk (vec divides V, so a chunk is
-either wholly in or wholly out of the row).
+A row is cut into tiles of threads * vec * unroll columns. In tile k, thread t owns `unroll` chunks of
+`vec` contiguous columns, chunk u starting at column k * tile + (u * threads + t) * vec, so each chunk
+is one 16-byte (or narrower, see _support.pick_vec) access and a warp touches consecutive chunks.
+Full tiles run unpredicated; the last, partial tile is predicated per chunk (vec divides V, so a
+chunk is wholly in or wholly out of the row).
+
+A kernel reads a row in 2 or 3 passes. With L2 hints, every pass but the last loads with an
+evict-last policy, so the next pass finds the row in L2, and the last pass loads, and the gradient
+is stored, evict-first (streaming).
 
 Statistics cross the CTA through warp shuffles and one shared-memory round trip per reduction; each
 reduction owns its own slots of the shared buffer, so a reduction costs one barrier.
@@ -17,20 +21,31 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
-THREADS = 256
-WARPS = THREADS // 32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Finite "minus infinity" for running maxima: exp2(m_old - m_new) stays 1 or 0, never NaN (-inf - -inf).
 NEG_BIG = -3.0e38
+# createpolicy.fractional.L2::evict_{last,first}.b64 with fraction 1.0 (CUTLASS's CacheHintSm90 values).
+EVICT_LAST = 0x14F0000000000000
+EVICT_FIRST = 0x12F0000000000000
 
 
-def row_copy(dtype, vec: int):
-    """TiledCopy of THREADS threads, `vec` contiguous elements (one vectorized access) each."""
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=vec * dtype.width)
-    return cute.make_tiled_copy_tv(atom, cute.make_layout(THREADS), cute.make_layout(vec))
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shape of a row kernel (part of its compile key)."""
+
+    threads: int = 256  # per CTA, a power of two from 64 to 1024
+    unroll: int = 4  # vectorized accesses in flight per thread and input
+    l2_hints: bool = True
+
+    @property
+    def warps(self):
+        return self.threads // 32
+
+    def tile(self, vec):
+        return self.threads * vec * self.unroll
 
 
 @dataclass(frozen=True)
@@ -43,21 +58,40 @@ class RowTiles:
     g_row: cute.Tensor
     c_row: cute.Tensor
     n_cols: object
-    thr: object
-    tiled_copy: cute.TiledCopy
+    thr_load: object
+    thr_store: object
+    load_copy: cute.TiledCopy
+    store_copy: cute.TiledCopy
     tile: int
+    l2_hints: bool
 
     @staticmethod
-    def of(mX: cute.Tensor, row, tidx, tiled_copy: cute.TiledCopy, tile: int):
-        return RowTiles(mX[row, None], cute.make_identity_tensor(mX.shape[1]), mX.shape[1],
-                        tiled_copy.get_slice(tidx), tiled_copy, tile)
+    def of(mX: cute.Tensor, row, tidx, vec: int, tuning: Tuning):
+        dtype = mX.element_type
+        bits = vec * dtype.width
+        threads, values = cute.make_layout(tuning.threads), cute.make_layout(vec)
+        load = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits), threads, values)
+        store = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
+                                store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING), threads, values)
+        return RowTiles(mX[row, None], cute.make_identity_tensor(mX.shape[1]), mX.shape[1], load.get_slice(tidx),
+                        store.get_slice(tidx), load, store, tuning.tile(vec), tuning.l2_hints)
+
+    def _tile(self, t, k):
+        return cute.local_tile(t, (self.tile,), (k,))
 
     def _src(self, k):
-        return self.thr.partition_S(cute.local_tile(self.g_row, (self.tile,), (k,)))
+        return self.thr_load.partition_S(self._tile(self.g_row, k))
+
+    def _policy(self, keep):
+        if const_expr(not self.l2_hints):
+            return {}
+        return {"cache_policy": Int64(EVICT_LAST if keep else EVICT_FIRST)}
 
     def predicate(self, k):
         """Per-chunk in-row flags of tile k, shaped as cute.copy's `pred` wants it."""
-        coords = self.thr.partition_S(cute.local_tile(self.c_row, (self.tile,), (k,)))
+        coords = self.thr_load.partition_S(self._tile(self.c_row, k))
         n_chunks = cute.size(coords, mode=[1])
         pred = cute.make_rmem_tensor(cute.make_layout((1, n_chunks)), Boolean)
         for u in range(n_chunks):
@@ -81,37 +115,32 @@ class RowTiles:
         frag.fill(value)
         return frag.load()
 
-    def load(self, k, pred=None, fill=0.0):
-        """Tile k of this thread as fp32 (TensorSSA); chunks outside the row read as `fill`."""
+    def load(self, k, pred=None, fill=0.0, keep=False):
+        """Tile k of this thread as fp32 (TensorSSA); chunks outside the row read as `fill`.
+
+        keep: a later pass reads this tile again (evict-last in L2), else evict-first.
+        """
         src = self._src(k)
         frag = cute.make_rmem_tensor_like(src)
         if const_expr(pred is not None):
             frag.fill(fill)
-        cute.copy(self.tiled_copy, src, frag, pred=pred)
+        cute.copy(self.load_copy, src, frag, pred=pred, **self._policy(keep))
         return frag.load().to(Float32)
 
     def store(self, k, values, pred=None):
-        """Write fp32 `values` (TensorSSA of a tile) to tile k, rounded to the row's dtype."""
-        dst = self.thr.partition_D(cute.local_tile(self.g_row, (self.tile,), (k,)))
+        """Write fp32 `values` (TensorSSA of a tile) to tile k, rounded to the row's dtype, streaming."""
+        dst = self.thr_store.partition_D(self._tile(self.g_row, k))
         frag = cute.make_rmem_tensor_like(dst)
         frag.store(values.to(dst.element_type))
-        cute.copy(self.tiled_copy, frag, dst, pred=pred)
+        cute.copy(self.store_copy, frag, dst, pred=pred, **self._policy(False))
 
     def columns(self, k):
         """Column index of each element of tile k (TensorSSA of Int32)."""
-        coords = self.thr.partition_S(cute.local_tile(self.c_row, (self.tile,), (k,)))
+        coords = self.thr_load.partition_S(self._tile(self.c_row, k))
         cols = self._fragment(Int32)
         for i in range(cute.size(cols)):
             cols[i] = coords[i]
         return cols.load()
-
-
-def n_full_tiles(n_cols, tile: int):
-    return n_cols // tile
-
-
-def has_tail(n_cols, tile: int):
-    return n_cols % tile != 0
 
 
 @cute.jit
@@ -135,15 +164,16 @@ def tile_sum(x: cute.TensorSSA):
     return x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
 
 
-def reduction_buffer(n_slots: int):
-    """Shared fp32 scratch of WARPS x n_slots for the block reductions of one kernel."""
+def reduction_buffer(warps: int, n_slots: int):
+    """Shared fp32 scratch of warps x n_slots for the block reductions of one kernel."""
     smem = cutlass.memory.SmemAllocator()
-    return smem.allocate_tensor(Float32, cute.make_layout((WARPS, n_slots)), byte_alignment=16)
+    return smem.allocate_tensor(Float32, cute.make_layout((warps, n_slots)), byte_alignment=16)
 
 
 @cute.jit
 def block_lse(m: Float32, d: Float32, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     """CTA-wide merge of per-thread softmax states; every thread gets the result. Uses slots slot, slot+1."""
+    warps = const_expr(cute.size(buf, mode=[0]))
     for i in cutlass.range_constexpr(5):
         off = 16 >> i
         m, d = lse_merge(m, d, cute.arch.shuffle_sync_bfly(m, offset=off), cute.arch.shuffle_sync_bfly(d, offset=off))
@@ -152,11 +182,11 @@ def block_lse(m: Float32, d: Float32, buf: cute.Tensor, slot: cutlass.Constexpr[
         buf[warp, slot] = m
         buf[warp, slot + 1] = d
     cute.arch.barrier()
-    # Every group of WARPS lanes holds all warps' states, so every lane ends with the CTA's.
-    m = buf[lane % WARPS, slot]
-    d = buf[lane % WARPS, slot + 1]
-    for i in cutlass.range_constexpr(int(math.log2(WARPS))):
-        off = (WARPS // 2) >> i
+    # Every group of `warps` lanes holds all warps' states, so every lane ends with the CTA's.
+    m = buf[lane % warps, slot]
+    d = buf[lane % warps, slot + 1]
+    for i in cutlass.range_constexpr(int(math.log2(warps))):
+        off = (warps // 2) >> i
         m, d = lse_merge(m, d, cute.arch.shuffle_sync_bfly(m, offset=off), cute.arch.shuffle_sync_bfly(d, offset=off))
     return m, d
 
@@ -164,6 +194,7 @@ def block_lse(m: Float32, d: Float32, buf: cute.Tensor, slot: cutlass.Constexpr[
 @cute.jit
 def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     """CTA-wide sums of a tuple of per-thread fp32 values; every thread gets them. Uses len(vals) slots."""
+    warps = const_expr(cute.size(buf, mode=[0]))
     n = const_expr(len(vals))
     partial = [cute.arch.warp_reduction(v, operator.add) for v in vals]
     lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
@@ -172,7 +203,7 @@ def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
             buf[warp, slot + j] = partial[j]
     cute.arch.barrier()
     return tuple(
-        cute.arch.warp_reduction(buf[lane % WARPS, slot + j], operator.add, threads_in_group=WARPS) for j in range(n)
+        cute.arch.warp_reduction(buf[lane % warps, slot + j], operator.add, threads_in_group=warps) for j in range(n)
     )
 
 

@@ -16,13 +16,13 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, THREADS, RowTiles, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from liger_dispatch import register_backend
 
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-UNROLL = 2
+TUNING = Tuning(threads=256, unroll=2)
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 # m below the smallest normal fp32 only arises when p and q flushed to 0 too: clamp keeps log2 m finite.
 M_FLOOR = 1.1754944e-38
@@ -33,22 +33,20 @@ def beta_case(beta):
 
 
 class JSDKernel:
-    def __init__(self, s_dtype, t_dtype, vec, case, has_labels, has_scale):
-        self.s_dtype = s_dtype
-        self.t_dtype = t_dtype
+    def __init__(self, vec, tuning, case, has_labels, has_scale):
         self.vec = vec
         self.case = case
         self.has_labels = has_labels
         self.has_scale = has_scale
-        self.tile = THREADS * vec * UNROLL
+        self.tuning = tuning
+        self.tile = tuning.tile(vec)
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
                  inv_temp: Float32, stream):
-        self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp,
-                    _row.row_copy(self.s_dtype, self.vec), _row.row_copy(self.t_dtype, self.vec)).launch(
-            grid=[mS.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp).launch(
+            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
 
     @cute.jit
     def divergence(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32):
@@ -69,12 +67,12 @@ class JSDKernel:
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
-               inv_temp: Float32, copy_s: cute.TiledCopy, copy_t: cute.TiledCopy):
+               inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(6)
-        student = RowTiles.of(mS, row, tidx, copy_s, self.tile)
-        teacher = RowTiles.of(mT, row, tidx, copy_t, self.tile)
+        buf = _row.reduction_buffer(self.tuning.warps, 6)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
         n_cols = mS.shape[1]
         n_full = n_cols // self.tile
         tail = n_cols % self.tile != 0
@@ -93,13 +91,15 @@ class JSDKernel:
             m_t = Float32(NEG_BIG)
             d_t = Float32(0.0)
             for k in cutlass.range(n_full, unroll=1):
-                m_s, d_s = lse_update(m_s, d_s, student.load(k) * to_base2)
-                m_t, d_t = lse_update(m_t, d_t, teacher.load(k) * to_base2)
+                m_s, d_s = lse_update(m_s, d_s, student.load(k, keep=True) * to_base2)
+                m_t, d_t = lse_update(m_t, d_t, teacher.load(k, keep=True) * to_base2)
             if tail:
                 pred = student.predicate(n_full)
                 mask = student.element_mask(pred)
-                m_s, d_s = lse_update(m_s, d_s, cute.where(mask, student.load(n_full, pred) * to_base2, -Float32.inf))
-                m_t, d_t = lse_update(m_t, d_t, cute.where(mask, teacher.load(n_full, pred) * to_base2, -Float32.inf))
+                s2 = student.load(n_full, pred, keep=True) * to_base2
+                t2 = teacher.load(n_full, pred, keep=True) * to_base2
+                m_s, d_s = lse_update(m_s, d_s, cute.where(mask, s2, -Float32.inf))
+                m_t, d_t = lse_update(m_t, d_t, cute.where(mask, t2, -Float32.inf))
             m_s, d_s = block_lse(m_s, d_s, buf, 0)
             m_t, d_t = block_lse(m_t, d_t, buf, 2)
             lse_s = m_s + cute.math.log2(d_s, fastmath=True)
@@ -112,9 +112,10 @@ class JSDKernel:
             # Pass 2: the loss and S; for beta = 0 also the gradient q - p (no cross-column term).
             acc_loss = Float32(0.0)
             acc_s = Float32(0.0)
+            again = self.case != FORWARD_KL  # pass 3 reads the row again
             for k in cutlass.range(n_full, unroll=1):
-                lq = student.load(k) * to_base2 - lse_s
-                lp = teacher.load(k) * to_base2 - lse_t
+                lq = student.load(k, keep=again) * to_base2 - lse_s
+                lp = teacher.load(k, keep=again) * to_base2 - lse_t
                 term, q, aux = self.divergence(lq, lp, beta)
                 acc_loss += tile_sum(term)
                 if const_expr(self.case == FORWARD_KL):
@@ -124,8 +125,8 @@ class JSDKernel:
             if tail:
                 pred = student.predicate(n_full)
                 mask = student.element_mask(pred)
-                lq = student.load(n_full, pred) * to_base2 - lse_s
-                lp = teacher.load(n_full, pred) * to_base2 - lse_t
+                lq = student.load(n_full, pred, keep=again) * to_base2 - lse_s
+                lp = teacher.load(n_full, pred, keep=again) * to_base2 - lse_t
                 term, q, aux = self.divergence(lq, lp, beta)
                 acc_loss += tile_sum(cute.where(mask, term, 0.0))
                 if const_expr(self.case == FORWARD_KL):
@@ -158,10 +159,10 @@ class JSDKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, case, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = JSDKernel(cs, ct, vec, case, label_dtype is not None, has_scale)
+    kernel = JSDKernel(vec, tuning, case, label_dtype is not None, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
         syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 0.5, 1.0,
@@ -174,8 +175,11 @@ def _limits(student_logits, _other, labels, **_):
 
 @register_backend("jsd_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
 def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
-                      grad_scale=None):
-    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent."""
+                      grad_scale=None, tuning=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent.
+
+    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
+    """
     check_rows("student_logits", student_logits)
     check_rows("teacher_logits", teacher_logits)
     C, V = student_logits.shape
@@ -186,6 +190,6 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
     vec = pick_vec(V, student_logits, teacher_logits)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
-                    beta_case(float(beta)), scale is not None)
+                    tuning or TUNING, beta_case(float(beta)), scale is not None)
     run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))
     return loss

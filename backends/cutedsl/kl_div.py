@@ -12,26 +12,25 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, THREADS, RowTiles, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from liger_dispatch import register_backend
 
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-UNROLL = 2
+TUNING = Tuning(threads=256, unroll=2)
 # log max(q, eps) with eps floored at the smallest normal fp32: q = 0 then gives 0 * finite = 0, also for eps = 0.
 EPS_FLOOR = 1.1754944e-38
 
 
 class KLDivKernel:
-    def __init__(self, s_dtype, t_dtype, vec, log_target, has_labels, has_scale):
-        self.s_dtype = s_dtype
-        self.t_dtype = t_dtype
+    def __init__(self, vec, tuning, log_target, has_labels, has_scale):
         self.vec = vec
         self.log_target = log_target
         self.has_labels = has_labels
         self.has_scale = has_scale
-        self.tile = THREADS * vec * UNROLL
+        self.tuning = tuning
+        self.tile = tuning.tile(vec)
         # Padding must read as q = 0: probability 0, or log-probability -inf.
         self.target_fill = -float("inf") if log_target else 0.0
 
@@ -39,9 +38,8 @@ class KLDivKernel:
     def __call__(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
                  eps: Float32, stream):
-        self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps,
-                    _row.row_copy(self.s_dtype, self.vec), _row.row_copy(self.t_dtype, self.vec)).launch(
-            grid=[mS.shape[0], 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps).launch(
+            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
 
     @cute.jit
     def target(self, t: cute.TensorSSA, eps: Float32):
@@ -55,12 +53,12 @@ class KLDivKernel:
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
-               eps: Float32, copy_s: cute.TiledCopy, copy_t: cute.TiledCopy):
+               eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(5)
-        student = RowTiles.of(mS, row, tidx, copy_s, self.tile)
-        target = RowTiles.of(mTarget, row, tidx, copy_t, self.tile)
+        buf = _row.reduction_buffer(self.tuning.warps, 5)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
         n_cols = mS.shape[1]
         n_full = n_cols // self.tile
         tail = n_cols % self.tile != 0
@@ -79,16 +77,16 @@ class KLDivKernel:
             acc_qs = Float32(0.0)
             acc_q = Float32(0.0)
             for k in cutlass.range(n_full, unroll=1):
-                s = student.load(k) * inv_temp
-                q, q_log_q = self.target(target.load(k), eps)
+                s = student.load(k, keep=True) * inv_temp
+                q, q_log_q = self.target(target.load(k, keep=True), eps)
                 m, d = lse_update(m, d, s * LOG2E)
                 acc_qlogq += tile_sum(q_log_q)
                 acc_qs += tile_sum(q * s)
                 acc_q += tile_sum(q)
             if tail:
                 pred = student.predicate(n_full)
-                s = student.load(n_full, pred) * inv_temp
-                q, q_log_q = self.target(target.load(n_full, pred, self.target_fill), eps)
+                s = student.load(n_full, pred, keep=True) * inv_temp
+                q, q_log_q = self.target(target.load(n_full, pred, self.target_fill, keep=True), eps)
                 m, d = lse_update(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
                 acc_qlogq += tile_sum(q_log_q)
                 acc_qs += tile_sum(q * s)
@@ -119,10 +117,10 @@ class KLDivKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, log_target, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = KLDivKernel(cs, ct, vec, log_target, label_dtype is not None, has_scale)
+    kernel = KLDivKernel(vec, tuning, log_target, label_dtype is not None, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
         syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 1.0, 1e-10,
@@ -135,8 +133,11 @@ def _limits(student_logits, _other, labels, **_):
 
 @register_backend("kl_div_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
 def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                         log_target=False, grad_scale=None):
-    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient."""
+                         log_target=False, grad_scale=None, tuning=None):
+    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient.
+
+    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
+    """
     check_rows("student_logits", student_logits)
     check_rows("target", target)
     C, V = student_logits.shape
@@ -147,6 +148,6 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
     vec = pick_vec(V, student_logits, target)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
-                    bool(log_target), scale is not None)
+                    tuning or TUNING, bool(log_target), scale is not None)
     run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature), max(float(eps), EPS_FLOOR))
     return loss
