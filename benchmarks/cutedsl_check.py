@@ -3,6 +3,7 @@ bandwidth and host launch overhead, then a PASS/FAIL table.
 
     python benchmarks/cutedsl_check.py              # everything: a few minutes on an H200
     python benchmarks/cutedsl_check.py --quick      # compile + correctness on small shapes only
+    python benchmarks/cutedsl_check.py --sweep      # also time launch shapes (threads, unroll, L2 hints)
 
 Every check runs on its own: an exception is printed with its traceback, recorded as FAIL, and the next
 check runs. Unless --no-fallback, the quick checks are repeated in a child process without TVM-FFI
@@ -138,6 +139,11 @@ def cases(kernels, C, V, dtype, pad=0):
     return out
 
 
+def rows_of(grad_scale, rows):
+    """The scales of `rows` (a 0-d scale serves every row)."""
+    return grad_scale[rows] if grad_scale is not None and grad_scale.dim() == 1 else grad_scale
+
+
 def run_case(section, case, C, V, dtype, pad=0, rows=None):
     """Check one case; `rows` limits the reference to those rows (huge shapes). Returns the inputs for timing."""
     name, fn, make, kwargs, rows_fn, _ = case
@@ -151,10 +157,8 @@ def run_case(section, case, C, V, dtype, pad=0, rows=None):
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
         pick = slice(None) if rows is None else rows
-        scale = kwargs.get("grad_scale")
-        if scale is not None and scale.dim() == 1:
-            scale = scale[pick]
-        ref_loss, ref_grad = reference(rows_fn, inputs[0][pick], [t[pick] for t in inputs[1:]], scale)
+        ref_loss, ref_grad = reference(rows_fn, inputs[0][pick], [t[pick] for t in inputs[1:]],
+                                       rows_of(kwargs.get("grad_scale"), pick))
         ok, text = compare(dtype, loss[pick], x[pick], ref_loss, ref_grad)
         detail.append(text)
         if first > 0.5:
@@ -239,6 +243,45 @@ def bandwidth(kernels, C, V, dtype, peak):
         torch.cuda.empty_cache()
 
 
+SWEEP = [(128, 4), (256, 2), (256, 4), (256, 8), (512, 2), (512, 4), (1024, 1), (1024, 2)]
+
+
+def sweep(kernels, C, V, dtype):
+    """Time each kernel under several Tunings (checked against the reference first); the best is marked."""
+    from triton.testing import do_bench
+
+    from liger_dispatch.backends.cutedsl._row import Tuning
+
+    print(f"\nsweep: C={C} V={V} {dtype}: ms per (threads, unroll), with / without L2 hints")
+    for case in cases(kernels, C, V, dtype):
+        name, fn, make, kwargs, rows_fn, _ = case
+        if name not in ("ce", "jsd beta=0.5", "kl"):
+            continue
+        with check("sweep", f"{name} C={C} V={V}") as detail:
+            inputs = make()
+            pristine = inputs[0].clone()  # timing overwrites inputs[0] with gradients
+            rows = torch.tensor([0, C - 1], device=DEVICE)
+            ref_loss, ref_grad = reference(rows_fn, pristine[rows], [t[rows] for t in inputs[1:]],
+                                           rows_of(kwargs.get("grad_scale"), rows))
+            times = {}
+            for threads, unroll in SWEEP:
+                for hints in (True, False):
+                    tuning = Tuning(threads=threads, unroll=unroll, l2_hints=hints)
+                    x = pristine.clone()
+                    loss = fn(x, *inputs[1:], tuning=tuning, **kwargs)
+                    ok, text = compare(dtype, loss[rows], x[rows], ref_loss, ref_grad)
+                    if not ok:
+                        raise AssertionError(f"{tuning}: {text}")
+                    times[tuning] = do_bench(lambda: fn(*inputs, tuning=tuning, **kwargs), warmup=10, rep=50)
+            best = min(times, key=times.get)
+            cells = [f"{t.threads}/{t.unroll}{'' if t.l2_hints else ' nohint'} {ms:.3f}{' *' if t == best else ''}"
+                     for t, ms in times.items()]
+            print(f"  {name:<14}" + " | ".join(cells))
+            detail.append(f"best {best.threads}/{best.unroll} hints={best.l2_hints} {times[best]:.3f} ms")
+            del inputs
+        torch.cuda.empty_cache()
+
+
 def launch_overhead(kernels, n=2000):
     """Host time per call on a tiny row (GPU time is far below it): through the Python wrapper, and the compiled
     function alone with prepared arguments; a torch in-place add for scale."""
@@ -263,7 +306,7 @@ def launch_overhead(kernels, n=2000):
     with check("launch", "host overhead") as detail:
         loss = torch.empty(C, device=DEVICE)
         scale_flat, step = scale.reshape(1), 0
-        raw = ce._compiled(torch.bfloat16, torch.int64, 8, True, False, False)
+        raw = ce._compiled(torch.bfloat16, torch.int64, 8, ce.TUNING, True, False, False)
         args = (x, y, loss, scale_flat, step, -100, 0.0, 0.0, 1.0)
         timings = {
             "torch x.add_(1)": per_call(lambda: x.add_(1)),
@@ -306,6 +349,7 @@ def main():
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--peak-gbs", type=float, default=4300.0, help="HBM bandwidth to compare with (GB/s)")
+    parser.add_argument("--sweep", action="store_true", help="also time several launch shapes per kernel")
     parser.add_argument("--no-fallback", action="store_true", help="skip the child run without TVM-FFI")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -329,6 +373,8 @@ def main():
         if not args.quick:
             large_offsets(kernels)
             bandwidth(kernels, args.rows, args.vocab, torch.bfloat16, args.peak_gbs)
+            if args.sweep:
+                sweep(kernels, args.rows, args.vocab, torch.bfloat16)
     if not (args.child or args.no_fallback):
         fallback_child()
     return summary()
