@@ -15,8 +15,12 @@ from liger_dispatch.backends.reference import formulas
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# The interpreter is slow: on the CPU every option runs in fp32 and the low-precision dtypes get the
+# smoke cases; on the GPU every case runs in every dtype.
+DTYPES = (torch.float32, *LOW_PRECISION) if ON_GPU else (torch.float32,)
+# fp32 is compared with a float64 oracle; tf32 matrix units land near 3e-4
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 
 
@@ -24,10 +28,10 @@ def runnable(op: str, dtype: torch.dtype) -> list[str]:
     return [b for b, why in dispatch.backend_status(op, DEVICE, dtype).items() if why is None]
 
 
-def cases(ops=USER_OPS):
+def cases(ops=USER_OPS, dtypes=DTYPES):
     params = []
     for op in ops:
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for backend in ld.registered_backends(op):
                 marks = () if backend in runnable(op, dtype) else (pytest.mark.skip(reason=dispatch.backend_status(
                     op, DEVICE, dtype)[backend]),)
@@ -62,7 +66,9 @@ def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7
     """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same
     upstream gradient through both, and compares outputs and the gradients of `grad_names`."""
     mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    theirs = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    oracle = torch.float64 if dtype == torch.float32 else None  # low precision: same rounding points as ours
+    theirs = {k: leaf(v.to(oracle) if oracle and v.is_floating_point() else v, k in grad_names)
+              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     got = dispatch.op(op, backend=backend)(*mine.values(), **kwargs)
     want = getattr(formulas, op)(*theirs.values(), **kwargs)
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
@@ -75,7 +81,7 @@ def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7
     total_got.backward()
     total_want.backward()
     for name in grad_names:
-        assert_close(f"{op} grad of {name}", mine[name].grad, theirs[name].grad, dtype)
+        assert_close(f"{op} grad of {name}", mine[name].grad, theirs[name].grad.to(mine[name].grad.dtype), dtype)
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
@@ -225,3 +231,24 @@ def test_budget_chunking_runs_small_batches_as_one_chunk():
     assert rows % 64 == 0 and rows * 128256 * 2 <= 256 * 2**20 + 64 * 128256 * 2
     assert chunk_rows(1000, 128256, 2) == 1000
     assert -(-3000 // chunk_rows(3000, 128256, 2)) == 3  # balanced: three chunks of ~1000, not 1024+1024+952
+
+
+@pytest.mark.parametrize("op,backend,dtype", cases(dtypes=LOW_PRECISION))
+def test_low_precision_smoke(op, backend, dtype):
+    """bf16 / fp16 on the CPU: one representative case per op (every case runs in them on the GPU)."""
+    if op == "flce":
+        inputs = dict(input=randn(N, H, dtype=dtype), weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                      target=labels(N, V, ignored=(1,)))
+        run_and_compare(op, backend, dtype, inputs, dict(label_smoothing=0.1), ("input", "weight"))
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=randn(N, H, dtype=dtype), student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                      teacher_input=randn(N, H, dtype=dtype), teacher_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                      shift_labels=labels(N, V, ignored=(2,)))
+        run_and_compare(op, backend, dtype, inputs, dict(jsd_beta=0.5, temperature=2.0),
+                        ("student_input", "student_weight"))
+    elif op == "fused_linear_kl_div":
+        inputs = dict(student_input=randn(N, H, dtype=dtype), student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
+                      target=kl_target(N, V, dtype, False, True))
+        run_and_compare(op, backend, dtype, inputs, {}, ("student_input", "student_weight"))
+    else:
+        test_mhc_coeffs(op, backend, dtype, MHC_SHAPES[0], 3)
