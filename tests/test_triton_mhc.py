@@ -20,8 +20,8 @@ from liger_dispatch.backends.triton import mhc  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPTIONS = dict(rms_eps=1e-6, pre_eps=0.01, sinkhorn_eps=1e-6, post_mult=2.0)
 GRAD_NAMES = ("grad_x", "grad_phi", "grad_b", "grad_alpha_pre", "grad_alpha_post", "grad_alpha_res")
-# relative Frobenius error: fp32 math throughout (fp32 dots are 3-pass tf32 on the GPU); for 16-bit inputs the
-# backward's grad_mix * rstd is rounded to the dtype for the tensor-core dots, and grad_x / grad_phi are stored in it
+# relative Frobenius error: fp32 math throughout; for 16-bit inputs the backward's grad_mix * rstd is rounded to
+# the dtype for the tensor-core dots, and grad_x / grad_phi are stored in it
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # tiny tiles so that CPU shapes cross every block boundary, split K and group the MM backward's rows
 SPLIT_FWD = dict(BM=16, BK=16, split=2)

@@ -379,16 +379,18 @@ def _pow2(v: int) -> int:
 
 
 def _dot_setup(x: torch.Tensor, phi: torch.Tensor):
-    """(dtype of the tl.dot operands, cast-to-fp32 flag, tl.dot input precision)."""
+    """(dtype of the tl.dot operands, cast-to-fp32 flag, tl.dot input precision).
+
+    16-bit inputs of one dtype go to the tensor cores as they are. Anything else is multiplied in fp32 on the
+    FMA units ("ieee"): exact fp32 like the reference, and the 3-pass tf32 alternative spills registers."""
     if x.dtype == phi.dtype and x.dtype in (torch.bfloat16, torch.float16):
         # The interpreter's tl.dot reads bf16 operands as their raw bits: it gets them in fp32.
         return x.dtype, bool(INTERPRETING) and x.dtype == torch.bfloat16, "tf32"
-    return torch.float32, True, "tf32x3"
+    return torch.float32, True, "ieee"
 
 
 def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
-    """Row blocks alone fill the GPU where M allows; otherwise K is split (second, tiny launch).
-    fp32 operands (3-pass tf32 dots) take half the K block to stay clear of register spills."""
+    """Row blocks alone fill the GPU where M allows; otherwise K is split (second, tiny launch)."""
     for bm in (64, 32, 16):
         if triton.cdiv(M, bm) >= n_sms:
             break
@@ -402,11 +404,17 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
 
 
 def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
-    """MM/RMS backward: K blocks x row groups, about two programs per SM."""
-    bk = 128 if _pow2(hc * hc + 2 * hc) <= 32 else 64
-    bk = max(16, min(bk // 2 if fp32 else bk, _pow2(K)))
-    groups = triton.cdiv(2 * n_sms, triton.cdiv(K, bk))
-    return dict(BM=64, BK=bk, groups=groups, BR=32, num_warps=8, num_stages=3)
+    """MM/RMS backward: K blocks x row groups, enough programs to fill every SM's slots once. Tiles sized
+    to stay clear of register spills (hc = 8 has 128 padded columns; fp32 multiplies on the FMA units)."""
+    wide = _pow2(hc * hc + 2 * hc) > 32
+    if fp32:
+        bm, bk, warps = (32, 16, 8) if wide else (64, 32, 8)
+    else:
+        bm, bk, warps = 64, 64, 8 if wide else 4
+    bk = max(16, min(bk, _pow2(K)))
+    slots = n_sms * (2 if warps == 8 else 4)
+    groups = triton.cdiv(slots, triton.cdiv(K, bk))
+    return dict(BM=bm, BK=bk, groups=groups, BR=32, num_warps=warps, num_stages=3)
 
 
 def _fwd_tiles(hc: int):

@@ -1,0 +1,185 @@
+"""Time the Triton mHC coefficient kernels at the design's shapes and compare them with the byte floor.
+
+    python benchmarks/triton_mhc.py             # B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16, tmax=20
+    python benchmarks/triton_mhc.py --sweep     # also time launch-configuration variants of fwd and bwd
+    python benchmarks/triton_mhc.py --shapes 4x512x4x1024 --dtype float16
+
+Rows (median ms, triton.testing.do_bench, L2 flushed before each repetition):
+  fwd            mhc_coeff_fwd                     (kernel level)
+  bwd            mhc_coeff_bwd from the saved mix / rstd
+  fwd+bwd        the two back to back
+  mhc_coeffs     the user-level op through dispatch and autograd (forward + backward)
+"launches" counts the CUDA kernels (and memsets) one call issues, from torch.profiler; "gpu us" sums their
+durations, so time - gpu us is host overhead the GPU waited for. "floor" is the bytes every implementation
+must move (x read once forward; x read and grad_x written backward; the small tensors) at the copy bandwidth
+measured in the same run. Each shape is first checked against the float64 formulas; a mismatch exits 1.
+"""
+
+import argparse
+import itertools
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from liger_dispatch import dispatch
+from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix
+from liger_dispatch.backends.triton import mhc
+
+TMAX = 20
+OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0)
+NOMINAL_TBPS = 4.3
+DEVICE = "cuda"
+FWD_SWEEP = [dict(BM=bm, BK=bk, split=s, num_warps=w, num_stages=st)
+             for bm, bk, s, w, st in itertools.product((16, 32, 64), (64, 128, 256), (1, 2), (4, 8), (3, 4))]
+BWD_SWEEP = [dict(BM=bm, BK=bk, groups=g, num_warps=w, num_stages=st)
+             for bm, bk, g, w, st in itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4, 8), (2, 3))]
+
+
+def parse_shape(text):
+    b, t, hc, c = (int(v) for v in text.lower().split("x"))
+    return b, t, hc, c
+
+
+def make_inputs(b, t, hc, c, dtype):
+    k, n = hc * c, hc * hc + 2 * hc
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(b, t, hc, c, device=DEVICE, generator=gen).to(dtype)
+    phi = (torch.randn(k, n, device=DEVICE, generator=gen) * k ** -0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE, generator=gen) * 0.1
+    alphas = [0.5 + torch.rand((), device=DEVICE, generator=gen) for _ in range(3)]
+    upstream = [torch.randn(s, device=DEVICE, generator=gen) for s in ((b, t, hc), (b, t, hc), (b, t, hc, hc))]
+    return x, phi, bias, alphas, upstream
+
+
+def rel_err(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def check(x2, phi, bias, alphas, upstream, hc, dtype):
+    """Forward outputs and the six gradients against float64 autograd of the formulas."""
+    m = x2.shape[0]
+    ups = [u.reshape(m, *u.shape[2:]) for u in upstream]
+    outs = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
+    grads = mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, outs[3], outs[4], *ups, hc=hc, **OPTIONS)
+    leaves = [t.detach().double().requires_grad_() for t in (x2, phi, bias, *alphas)]
+    mix, rstd = mhc_mix(leaves[0], leaves[1], rms_eps=OPTIONS["rms_eps"])
+    coeffs = mhc_coeffs_from_mix(mix, *leaves[2:], hc=hc, tmax=TMAX, pre_eps=OPTIONS["pre_eps"],
+                                 sinkhorn_eps=OPTIONS["sinkhorn_eps"], post_mult=OPTIONS["post_mult"])
+    want = torch.autograd.grad(coeffs, leaves, [u.double() for u in ups])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    errors = {name: rel_err(g, w) for name, g, w in zip(
+        ("h_pre", "h_post", "h_res", "mix", "rstd", "grad_x", "grad_phi", "grad_b", "grad_a_pre", "grad_a_post",
+         "grad_a_res"), (*outs, *grads), (*coeffs, mix, rstd, *want))}
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    worst = max(errors, key=errors.get)
+    print(f"  check vs float64: worst {worst} {errors[worst]:.1e}" + (f"  FAILED {bad}" if bad else ""))
+    return not bad
+
+
+def copy_bandwidth():
+    buf = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
+    ms = do_bench(lambda: buf.clone())
+    return 2 * buf.numel() / (ms * 1e-3) / 1e12
+
+
+def launches(fn):
+    """(number of CUDA kernels and memsets, their summed duration in us) of one call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels)
+
+
+def floor_bytes(m, k, hc, x_bytes):
+    n = hc * hc + 2 * hc
+    coeffs = m * (2 * hc + hc * hc) * 4
+    fwd = m * k * x_bytes + k * n * x_bytes + coeffs + m * (n + 1) * 4
+    bwd = 2 * m * k * x_bytes + 2 * k * n * x_bytes + coeffs + m * (n + 1) * 4 + (n + 3) * 4
+    return fwd, bwd
+
+
+def sweep(name, configs, fn, reference_out):
+    """Time fn(config) for each config; a config that fails to compile or disagrees with the default is shown."""
+    rows = []
+    for cfg in configs:
+        try:
+            out = fn(cfg)
+            errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
+            if max(errs) > 1e-2:
+                rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
+                continue
+            rows.append((do_bench(lambda: fn(cfg)), cfg, ""))
+        except Exception as exc:  # too much shared memory, say: report and go on
+            rows.append((float("inf"), cfg, type(exc).__name__))
+    rows.sort(key=lambda r: r[0])
+    print(f"  {name} sweep, best 8 of {len(rows)}:")
+    for ms, cfg, note in rows[:8]:
+        print(f"    {ms * 1e3:8.1f} us  {cfg} {note}")
+    failed = [r for r in rows if r[2]]
+    if failed:
+        print(f"    ({len(failed)} failed or wrong, e.g. {failed[0][1]} {failed[0][2]})")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4, 512, 4, 1024), (4, 2048, 4, 4096)],
+                   help="BxTxHCxC")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    tbps = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {tbps:.2f} TB/s  {args.dtype}  tmax={TMAX}")
+    header = f"  {'':10} {'time us':>9} {'launches':>8} {'gpu us':>8} {'floor us':>9} {'time/floor':>10}"
+    ok = True
+    user_op = dispatch.op("mhc_coeffs", backend="triton")
+    for b, t, hc, c in args.shapes:
+        x, phi, bias, alphas, upstream = make_inputs(b, t, hc, c, dtype)
+        m, k = b * t, hc * c
+        x2 = x.reshape(m, k)
+        ups = [u.reshape(m, *u.shape[2:]) for u in upstream]
+        fwd_bytes, bwd_bytes = floor_bytes(m, k, hc, x.element_size())
+        gb = (fwd_bytes + bwd_bytes) / 1e9
+        print(f"\nB={b} T={t} HC={hc} C={c}: M={m} K={k}, floor {gb:.3f} GB "
+              f"= {gb / tbps * 1e3:.1f} us at {tbps:.2f} TB/s, {gb / NOMINAL_TBPS * 1e3:.1f} us at {NOMINAL_TBPS}")
+        ok &= check(x2, phi, bias, alphas, upstream, hc, dtype)
+
+        saved = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
+
+        def fwd(config=None):
+            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, config=config, **OPTIONS)
+
+        def bwd(config=None):
+            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, config=config,
+                                     **OPTIONS)
+
+        def fwd_bwd():
+            out = fwd()
+            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, out[3], out[4], *ups, hc=hc, **OPTIONS)
+
+        leaves = [t_.detach().requires_grad_() for t_ in (x, phi, bias, *alphas)]
+
+        def user():
+            torch.autograd.backward(user_op(*leaves, **OPTIONS), upstream)
+
+        print(header)
+        for name, fn, floor in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes),
+                                ("fwd+bwd", fwd_bwd, fwd_bytes + bwd_bytes), ("mhc_coeffs", user, fwd_bytes + bwd_bytes)):
+            ms = do_bench(fn, grad_to_none=leaves)
+            n_launch, gpu_us = launches(fn)
+            floor_us = floor / (tbps * 1e12) * 1e6
+            print(f"  {name:10} {ms * 1e3:9.1f} {n_launch:8d} {gpu_us:8.1f} {floor_us:9.1f} {ms * 1e3 / floor_us:10.2f}")
+        if args.sweep:
+            sweep("fwd", FWD_SWEEP, fwd, fwd())
+            sweep("bwd", BWD_SWEEP, bwd, bwd())
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
