@@ -183,7 +183,8 @@ def header():
     props = torch.cuda.get_device_properties(0)
     from liger_dispatch.backends.cutedsl import _support
 
-    print(f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs) | torch {torch.__version__} "
+    print(f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs) "
+          f"| torch {torch.__version__} "
           f"| nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')} | apache-tvm-ffi {version('apache-tvm-ffi')} "
           f"| calling convention: {'TVM-FFI' if _support.USE_TVM_FFI else 'DSL executor (no TVM-FFI)'}")
 
@@ -299,7 +300,8 @@ def launch_overhead(kernels, n=2000):
         return (time.perf_counter() - t0) / n * 1e6
 
     C, V = 1, 256
-    x, t, y = logits(C, V, torch.bfloat16), logits(C, V, torch.bfloat16), torch.zeros(C, dtype=torch.int64, device=DEVICE)
+    x, t = logits(C, V, torch.bfloat16), logits(C, V, torch.bfloat16)
+    y = torch.zeros(C, dtype=torch.int64, device=DEVICE)
     q = torch.softmax(logits(C, V, torch.float32), -1).to(torch.bfloat16)
     scale = torch.tensor(1.0, device=DEVICE)
     ce_fn, jsd_fn, kl_fn = kernels

@@ -145,7 +145,8 @@ def per_row(t):
 
 def check_rows(name, x):
     if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(f"{name} must be 2-D with a contiguous last dim, "
+                         f"got shape {tuple(x.shape)} strides {x.stride()}")
 
 
 def cache(fn):

@@ -1,7 +1,8 @@
 """Cross-entropy loss and gradient in one CuTeDSL kernel: one CTA per row, 2 passes, gradient over the logits.
 
-Pass 1 streams the row once for the online softmax state (and sum z for label smoothing); pass 2
-streams it again, writing grad_scale * dloss/dlogits in place. The second read mostly hits L2.
+Pass 1 streams the row for the online softmax state (and sum z for label smoothing), loading with an
+evict-last L2 hint so that pass 2, which streams it again and writes grad_scale * dloss/dlogits in
+place, can find it in L2.
 """
 
 import torch
@@ -10,10 +11,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from liger_dispatch import register_backend
 
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 

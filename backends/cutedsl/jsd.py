@@ -5,7 +5,7 @@ With q = softmax(student / T), p = softmax(teacher / T) and, in base 2, lq = log
   beta = 1: KL(q||p);  dL/ds = ln2 q (lq - lp - S), S = sum q (lq - lp) -> 3 passes
   else:     beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q;
             dL/ds = (1-beta) ln2 q (lq - lm - S), S = sum q (lq - lm)  -> 3 passes
-Pass 1 finds both softmax states; the cross-row term S must be known before any gradient is stored.
+Pass 1 finds both softmax states; the cross-column term S must be known before any gradient is stored.
 The gradient w.r.t. the student logits carries 1/T and grad_scale; the teacher is only read.
 """
 
@@ -15,10 +15,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
-from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from liger_dispatch import register_backend
 
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
@@ -164,8 +164,9 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
     syms = Syms()
     kernel = JSDKernel(vec, tuning, case, label_dtype is not None, has_scale)
     return Launcher(compile_kernel(
-        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
-        syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 0.5, 1.0,
+        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
+        syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
+        syms.flat() if has_scale else None, 0, -100, 0.5, 1.0,
     ))
 
 

@@ -11,10 +11,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
-from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from liger_dispatch import register_backend
 
+from . import _row
+from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
@@ -122,8 +122,9 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale)
     syms = Syms()
     kernel = KLDivKernel(vec, tuning, log_target, label_dtype is not None, has_scale)
     return Launcher(compile_kernel(
-        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec), syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None,
-        syms.per_row(cutlass.Float32), syms.flat() if has_scale else None, 0, -100, 1.0, 1e-10,
+        kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
+        syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
+        syms.flat() if has_scale else None, 0, -100, 1.0, 1e-10,
     ))
 
 
@@ -149,5 +150,6 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
                     tuning or TUNING, bool(log_target), scale is not None)
-    run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature), max(float(eps), EPS_FLOOR))
+    run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature),
+        max(float(eps), EPS_FLOOR))
     return loss
