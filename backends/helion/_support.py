@@ -61,8 +61,10 @@ def device_family(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def config_key(family: str, dtype: torch.dtype, size_bucket: int) -> str:
-    return f"{family}/{DTYPE_NAMES.get(dtype, str(dtype))}/{size_bucket}"
+def config_key(family: str, dtype: torch.dtype, shape_key) -> str:
+    """"sm90/bf16/131072": family, dtype, shape bucket (a tuple of them is joined by "x")."""
+    shape = "x".join(map(str, shape_key)) if isinstance(shape_key, tuple) else str(shape_key)
+    return f"{family}/{DTYPE_NAMES.get(dtype, str(dtype))}/{shape}"
 
 
 @functools.cache
@@ -86,27 +88,30 @@ def lookup_config(kernel_name: str, key: str, default: dict, config_dir: Path = 
 class Kernel:
     """A Helion kernel body with its config table: picks a config per call, compiles once per config.
 
-    default_config(size_bucket) -> config dict, the hand-written fallback. Calls give the tensor whose device
-    and dtype key the lookup, the size that is bucketed (V for the loss kernels), and whether some offset can
-    reach 2**31 (then indices are int64; Helion's own check looks at numel only, not at row strides).
+    default_config(shape_key) -> config dict, the hand-written fallback. A call names the tensor whose device
+    and dtype key the lookup, the shape key (bucket(V) for the loss kernels), and whether an offset can reach
+    2**31 (then indices are int64: Helion's own check looks at numel, not at row strides).
     """
 
-    def __init__(self, fn: Callable, name: str, default_config: Callable[[int], dict]):
+    def __init__(self, fn: Callable, name: str, default_config: Callable[..., dict]):
         self.fn = fn
         self.name = name
         self.default_config = default_config
 
-    def __call__(self, *args, like: torch.Tensor, size: int, int64: bool):
-        return self.compiled(like.device, like.dtype, bucket(size), int64)(*args)
+    def __call__(self, *args, like: torch.Tensor, shape_key, int64: bool = False):
+        return self.compiled(like.device, like.dtype, shape_key, int64)(*args)
+
+    def config(self, device: torch.device, dtype: torch.dtype, shape_key) -> tuple[dict, str]:
+        """(config, "tuned" | "default") for calls on device with this dtype and shape key."""
+        key = config_key(device_family(device), dtype, shape_key)
+        return lookup_config(self.name, key, self.default_config(shape_key))
 
     @functools.lru_cache(maxsize=None)
-    def compiled(self, device: torch.device, dtype: torch.dtype, size_bucket: int, int64: bool) -> helion.Kernel:
-        index_dtype = torch.int64 if int64 else torch.int32
+    def compiled(self, device: torch.device, dtype: torch.dtype, shape_key, int64: bool) -> helion.Kernel:
         if AUTOTUNE:
-            return helion.kernel(self.fn, static_shapes=False, index_dtype=index_dtype)
-        key = config_key(device_family(device), dtype, size_bucket)
-        config, _ = lookup_config(self.name, key, self.default_config(size_bucket))
-        return compile_with(self.fn, config, int64)
+            return helion.kernel(self.fn, static_shapes=False, index_dtype=torch.int64 if int64 else torch.int32,
+                                 dot_precision="ieee")
+        return compile_with(self.fn, self.config(device, dtype, shape_key)[0], int64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +122,7 @@ def _compile_with(fn: Callable, config_json: str, int64: bool) -> helion.Kernel:
         static_shapes=False,
         index_dtype=torch.int64 if int64 else torch.int32,
         autotune_effort="none",
+        dot_precision="ieee",  # fp32 operands stay fp32 (no tf32); 16-bit ones are unaffected
     )
 
 
@@ -170,6 +176,7 @@ def _patch_interpreter() -> None:
       libdevice and the interpreter leaves as empty stubs: here they compute in numpy on the interpreter's arrays.
     - With dynamic shapes, loops run to a runtime bound (`tl.range(0, V, BLOCK)`), which the interpreter turns
       into int() of a 1-element array, an error since numpy 2: take the element instead.
+    - tl.dot of bf16 operands multiplies their raw uint16 bits: widen them to fp32 first.
     """
     from triton.language.extra import libdevice
     from triton.runtime import interpreter
@@ -198,6 +205,18 @@ def _patch_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interpreter._patch_lang_tensor = patch_tensor_index
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen_bf16(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_bf16
 
 
 if TRITON_INTERPRETER:

@@ -14,7 +14,8 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, check_rows, flat_rows, needs_int64, online_step, row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, flat_rows, needs_int64, online_step,
+    row_scale,
 )
 
 
@@ -104,7 +105,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
         logits, flat_rows(logits), logits.stride(0), target, row_scale(grad_scale, C, logits), loss,
         int(ignore_index), float(label_smoothing) if label_smoothing else None, float(lse_square_scale),
         None if softcap is None else float(softcap),
-        like=logits, size=V, int64=needs_int64(logits),
+        like=logits, shape_key=bucket(V), int64=needs_int64(logits),
     )
     return loss
 

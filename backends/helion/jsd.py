@@ -15,7 +15,7 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, check_rows, needs_int64, online_step, row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, needs_int64, online_step, row_scale,
 )
 
 _TINY = 1.1754943508222875e-38  # smallest normal fp32: m underflows only where p and q both do
@@ -177,7 +177,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
         return loss
     args = (student_logits, teacher_logits, labels, row_scale(grad_scale, C, student_logits), loss,
             int(ignore_index), LOG2E / temperature, 1.0 / temperature)
-    launch = dict(like=student_logits, size=V, int64=needs_int64(student_logits, teacher_logits))
+    launch = dict(like=student_logits, shape_key=bucket(V), int64=needs_int64(student_logits, teacher_logits))
     if beta == 0.0:
         FORWARD_KL(*args, **launch)
     elif beta == 1.0:

@@ -14,7 +14,7 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, check_rows, needs_int64, online_step, row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, needs_int64, online_step, row_scale,
 )
 
 
@@ -87,6 +87,6 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
     KERNEL(
         student_logits, target, labels, row_scale(grad_scale, C, student_logits), loss,
         int(ignore_index), LOG2E / temperature, 1.0 / temperature, float(eps), bool(log_target),
-        like=student_logits, size=V, int64=needs_int64(student_logits, target),
+        like=student_logits, shape_key=bucket(V), int64=needs_int64(student_logits, target),
     )
     return loss
