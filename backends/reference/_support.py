@@ -2,9 +2,14 @@
 
 import torch
 
+from liger_dispatch import Capability
+
 from .formulas import compute_dtype
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# the reference runs everywhere: the spec, and the last fallback
+CAPABILITY = Capability(devices=("cpu", "cuda"), dtypes=DTYPES)
+PRIORITY = 100
 
 
 def rows_and_grad_in_place(logits, rows_fn, grad_scale):

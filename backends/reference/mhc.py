@@ -2,9 +2,13 @@
 
 import torch
 
+from liger_dispatch import register_backend
+
+from ._support import CAPABILITY, PRIORITY
 from .formulas import compute_dtype, mhc_coeffs_from_mix, mhc_mix
 
 
+@register_backend("mhc_coeff_fwd", backend="reference", priority=PRIORITY, capability=CAPABILITY)
 def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
                   sinkhorn_eps=1e-6, post_mult=2.0):
     """x [M, K] -> (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc], mix [M, n], rstd [M]), fp32."""
@@ -15,6 +19,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     return (*coeffs, mix, rstd)
 
 
+@register_backend("mhc_coeff_bwd", backend="reference", priority=PRIORITY, capability=CAPABILITY)
 def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
                   hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
     """-> (grad_x in x.dtype, grad_phi in phi.dtype, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res).
