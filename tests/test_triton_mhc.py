@@ -7,6 +7,7 @@ the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -20,9 +21,9 @@ from liger_dispatch.backends.triton import mhc  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPTIONS = dict(rms_eps=1e-6, pre_eps=0.01, sinkhorn_eps=1e-6, post_mult=2.0)
 GRAD_NAMES = ("grad_x", "grad_phi", "grad_b", "grad_alpha_pre", "grad_alpha_post", "grad_alpha_res")
-# relative Frobenius error: fp32 math throughout; for 16-bit inputs the backward's grad_mix * rstd is rounded to
-# the dtype for the tensor-core dots, and grad_x / grad_phi are stored in it
-REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# relative Frobenius error: fp32 math throughout (the alpha grads are sums that cancel); for 16-bit inputs the
+# backward's grad_mix * rstd is rounded to the dtype for the tensor-core dots, and grad_x / grad_phi are stored in it
+REL_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # tiny tiles so that CPU shapes cross every block boundary, split K and group the MM backward's rows
 SPLIT_FWD = dict(BM=16, BK=16, split=2)
 GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
@@ -30,14 +31,14 @@ GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    torch.manual_seed(hash(request.node.name) % 2**31)
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
 
 
-def inputs(m, hc, c, dtype=torch.float32, x_row_stride=None):
+def inputs(m, hc, c, dtype=torch.float32, x_row_stride=None, phi_dtype=None):
     """x [m, hc*c] (a view into a wider buffer when x_row_stride is given), phi, b and the three alphas."""
     k, n = hc * c, hc * hc + 2 * hc
     x = torch.randn(m, x_row_stride or k, device=DEVICE).to(dtype)[:, :k]
-    phi = (torch.randn(k, n, device=DEVICE) * k ** -0.5).to(dtype)
+    phi = (torch.randn(k, n, device=DEVICE) * k ** -0.5).to(phi_dtype or dtype)
     b = torch.randn(n, device=DEVICE) * 0.5
     alphas = [torch.tensor(v, device=DEVICE) for v in (0.8, 1.3, 0.9)]
     return x, phi, b, *alphas
@@ -71,8 +72,8 @@ def rel_err(got, want):
 
 
 def run(m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), fwd_config=None, bwd_config=None,
-        x_row_stride=None):
-    args = inputs(m, hc, c, dtype, x_row_stride)
+        x_row_stride=None, phi_dtype=None):
+    args = inputs(m, hc, c, dtype, x_row_stride, phi_dtype)
     grads = upstream(m, hc, present)
     outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, config=fwd_config, **OPTIONS)
     got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, config=bwd_config, **OPTIONS)
@@ -117,6 +118,11 @@ def test_hc8():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs(dtype):
     run(9, 4, 8, 3, dtype, x_row_stride=40, fwd_config=SPLIT_FWD, bwd_config=GROUPED_BWD)
+
+
+def test_mixed_dtypes():
+    """bf16 x with fp32 phi: both multiplied in fp32."""
+    run(9, 4, 8, 3, torch.bfloat16, phi_dtype=torch.float32, fwd_config=SPLIT_FWD, bwd_config=GROUPED_BWD)
 
 
 @pytest.mark.parametrize("present", [(False, True, True), (True, False, False), (False, False, True),
