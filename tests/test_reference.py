@@ -273,12 +273,14 @@ def test_gradcheck_fused_linear_kl_div(reduction, log_target, temperature):
     )
 
 
-def test_gradcheck_fused_linear_kl_div_eps_and_zero_targets():
+@pytest.mark.parametrize("eps", [1e-3, 0.0])
+def test_gradcheck_fused_linear_kl_div_eps_and_zero_targets(eps):
     sx, sw = randn(N, H, requires_grad=True), randn(V, H, requires_grad=True)
     target = torch.softmax(randn(N, V), -1)
     target[:, 0] = 0.0
-    target[:, 1] = 1e-4  # below eps: its log is clamped
-    assert gradcheck(lambda a, b: formulas.fused_linear_kl_div(a, b, target, eps=1e-3), (sx, sw))
+    target[:, 1] = 1e-4  # below eps=1e-3: its log is clamped
+    assert finite(formulas.fused_linear_kl_div(sx, sw, target, eps=eps))
+    assert gradcheck(lambda a, b: formulas.fused_linear_kl_div(a, b, target, eps=eps), (sx, sw))
 
 
 @pytest.mark.parametrize("hc", [2, 4])
