@@ -390,9 +390,11 @@ def _dot_setup(x: torch.Tensor, phi: torch.Tensor):
 
 
 def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
-    """Row blocks alone fill the GPU where M allows; otherwise K is split (second, tiny launch)."""
+    """The tallest row block whose blocks still make about one wave: every program reads its K x N phi
+    slice through L2, so that traffic is N / BM of the x traffic. Where even 16-row blocks leave most SMs
+    idle, K is split (second, tiny launch)."""
     for bm in (64, 32, 16):
-        if triton.cdiv(M, bm) >= n_sms:
+        if 10 * triton.cdiv(M, bm) >= 9 * n_sms:
             break
     bk = 64 if fp32 else 256 if bm <= 32 else 128
     bk = max(16, min(bk, _pow2(K)))
@@ -400,7 +402,8 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
     split = 1
     if 4 * programs < 3 * n_sms:
         split = min(_pow2(triton.cdiv(n_sms, programs)), triton.cdiv(K, bk))
-    return dict(BM=bm, BK=bk, split=split, num_warps=4, num_stages=3 if fp32 else 4)
+    warps = 8 if bm == 64 and not fp32 else 4
+    return dict(BM=bm, BK=bk, split=split, num_warps=warps, num_stages=3 if fp32 else 4)
 
 
 def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
