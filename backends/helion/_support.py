@@ -6,6 +6,7 @@ LIGER_HELION_AUTOTUNE=1 hands the choice to Helion's autotuner instead (slow on 
 disk by Helion). benchmarks/helion_tune.py regenerates the tables.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -26,12 +27,13 @@ KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again
 # Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
 # kernel bodies eagerly in PyTorch. Either way the kernels take CPU tensors.
 TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRETED = TRITON_INTERPRETER or os.environ.get("HELION_INTERPRET") == "1"
+HELION_INTERPRETER = os.environ.get("HELION_INTERPRET") == "1"
+INTERPRETED = TRITON_INTERPRETER or HELION_INTERPRETER
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CC = (8, 0)
 AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
-CONFIG_DIR = Path(__file__).with_name("configs")
+CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
 
 
 _INT32_LIMIT = 2**31 - 1
@@ -67,68 +69,86 @@ def config_key(family: str, dtype: torch.dtype, shape_key) -> str:
     return f"{family}/{DTYPE_NAMES.get(dtype, str(dtype))}/{shape}"
 
 
+def config_path(kernel_name: str) -> Path:
+    return CONFIG_DIR / f"{kernel_name}.json"
+
+
 @functools.cache
-def config_table(kernel_name: str, config_dir: Path = CONFIG_DIR) -> dict:
-    """{key: config dict} of configs/<kernel_name>.json; empty when the file is missing."""
-    path = config_dir / f"{kernel_name}.json"
-    if not path.exists():
-        return {}
-    return {key: entry["config"] for key, entry in json.loads(path.read_text())["configs"].items()}
+def config_table(kernel_name: str) -> dict:
+    """{key: entry} of configs/<kernel_name>.json (entry: {"config": ..., "source": ..., timings}); {} if none."""
+    path = config_path(kernel_name)
+    return json.loads(path.read_text())["configs"] if path.exists() else {}
 
 
-def lookup_config(kernel_name: str, key: str, default: dict, config_dir: Path = CONFIG_DIR) -> tuple[dict, str]:
-    """(config, "tuned" | "default"): the committed config for key, else the hand-written default."""
-    tuned = config_table(kernel_name, config_dir).get(key)
-    return (tuned, "tuned") if tuned is not None else (default, "default")
+def lookup_config(kernel_name: str, key: str, default: dict) -> tuple[dict, str]:
+    """(config, source): the committed entry for key ("tuned", or a "default" written out), else the default."""
+    entry = config_table(kernel_name).get(key)
+    if entry is None:
+        return default, "default (not in the table)"
+    return entry["config"], entry.get("source", "tuned")
 
 
 # ---------------------------------------------------------------- kernels
 
 
 class Kernel:
-    """A Helion kernel body with its config table: picks a config per call, compiles once per config.
+    """A Helion kernel body and its config table.
 
-    default_config(shape_key) -> config dict, the hand-written fallback. A call names the tensor whose device
-    and dtype key the lookup, the shape key (bucket(V) for the loss kernels), and whether an offset can reach
-    2**31 (then indices are int64: Helion's own check looks at numel, not at row strides).
+    One Helion kernel per index width (its front end runs once per input specialization, dynamic shapes: a new
+    N recompiles nothing), code generated once per config. Each call looks the config up by the device family,
+    the dtype of `like` and `shape_key` (bucket(V) for the loss kernels); default_config(shape_key) is the
+    hand-written fallback. `int64` asks for 64-bit offsets (Helion's own check looks at numel, not strides).
     """
 
     def __init__(self, fn: Callable, name: str, default_config: Callable[..., dict]):
         self.fn = fn
         self.name = name
         self.default_config = default_config
+        self.forced: Optional[dict] = None
+        self._runs: dict = {}
 
     def __call__(self, *args, like: torch.Tensor, shape_key, int64: bool = False):
-        return self.compiled(like.device, like.dtype, shape_key, int64)(*args)
+        bound = self.helion_kernel(int64).bind(args)
+        if AUTOTUNE or HELION_INTERPRETER:  # autotunes on a first call / runs the body eagerly
+            return bound(*args)
+        config = self.forced or self.config(like.device, like.dtype, shape_key)[0]
+        key = (bound, json.dumps(config, sort_keys=True))
+        run = self._runs.get(key)
+        if run is None:
+            run = self._runs[key] = bound.compile_config(helion.Config(**config))
+        return run(*args)
 
+    @functools.lru_cache(maxsize=None)
     def config(self, device: torch.device, dtype: torch.dtype, shape_key) -> tuple[dict, str]:
-        """(config, "tuned" | "default") for calls on device with this dtype and shape key."""
+        """(config, source) for calls on device with this dtype and shape key."""
         key = config_key(device_family(device), dtype, shape_key)
         return lookup_config(self.name, key, self.default_config(shape_key))
 
     @functools.lru_cache(maxsize=None)
-    def compiled(self, device: torch.device, dtype: torch.dtype, shape_key, int64: bool) -> helion.Kernel:
-        if AUTOTUNE:
-            return helion.kernel(self.fn, static_shapes=False, index_dtype=torch.int64 if int64 else torch.int32,
-                                 dot_precision="ieee")
-        return compile_with(self.fn, self.config(device, dtype, shape_key)[0], int64)
+    def helion_kernel(self, int64: bool) -> helion.Kernel:
+        settings = dict(
+            static_shapes=False,
+            index_dtype=torch.int64 if int64 else torch.int32,
+            dot_precision="ieee",  # fp32 operands stay fp32 (no tf32); 16-bit ones are unaffected
+        )
+        if not AUTOTUNE:  # else Helion's own effort setting (HELION_AUTOTUNE_EFFORT) applies
+            settings["autotune_effort"] = "none"
+        return helion.kernel(self.fn, **settings)
+
+    @contextlib.contextmanager
+    def using(self, config: dict):
+        """Run every call in this block with `config` (tests, tuning)."""
+        saved, self.forced = self.forced, config
+        try:
+            yield
+        finally:
+            self.forced = saved
 
 
-@functools.lru_cache(maxsize=None)
-def _compile_with(fn: Callable, config_json: str, int64: bool) -> helion.Kernel:
-    return helion.kernel(
-        fn,
-        config=helion.Config(**json.loads(config_json)),
-        static_shapes=False,
-        index_dtype=torch.int64 if int64 else torch.int32,
-        autotune_effort="none",
-        dot_precision="ieee",  # fp32 operands stay fp32 (no tf32); 16-bit ones are unaffected
-    )
-
-
-def compile_with(fn: Callable, config: dict, int64: bool) -> helion.Kernel:
-    """The Helion kernel of fn under one fixed config (cached: one per (fn, config, index width))."""
-    return _compile_with(fn, json.dumps(config, sort_keys=True), int64)
+def reload_configs() -> None:
+    """Forget the tables read so far (after CONFIG_DIR changed, or the files did)."""
+    config_table.cache_clear()
+    Kernel.config.cache_clear()
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
