@@ -4,6 +4,7 @@
 # fwd+bwd, every provider), everything under $OUT. It fits a 10-minute call: the tests get at most
 # 4 minutes, the benchmark starts no row after 8 minutes in all (results are written as rows finish),
 # and a size a provider cannot fit or finish within --max-row-s is skipped, saying why.
+# `bash benchmarks/device.sh --bench-only` skips the tests: the whole call goes to the benchmark.
 set -uo pipefail
 : "${OUT:?run on the device machine, where \$OUT is set}"
 cd "$(dirname "$0")/.."
@@ -11,10 +12,13 @@ start=$SECONDS
 mkdir -p "$OUT/results"
 cp benchmarks/results/*.csv "$OUT/results/" 2>/dev/null  # earlier rows: the run merges into them
 
-echo "== pytest -m gpu (log: \$OUT/pytest-gpu.log)"
-timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider >"$OUT/pytest-gpu.log" 2>&1
-tests=$?
-tail -n 15 "$OUT/pytest-gpu.log"
+tests=0
+if [ "${1:-}" != "--bench-only" ]; then
+  echo "== pytest -m gpu (log: \$OUT/pytest-gpu.log)"
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider >"$OUT/pytest-gpu.log" 2>&1
+  tests=$?
+  tail -n 15 "$OUT/pytest-gpu.log"
+fi
 
 budget=$((480 - (SECONDS - start)))
 echo "== benchmark, ${budget} s budget (log: \$OUT/benchmark.log)"
@@ -22,5 +26,5 @@ python3 -m benchmarks.run --ops all --shapes llama3 --n 1024 4096 8192 16384 --d
     --rep-ms 120 --max-row-s 25 --time-budget-s "$budget" --out "$OUT/results" 2>&1 | tee "$OUT/benchmark.log"
 bench=${PIPESTATUS[0]}
 
-echo "== pytest -m gpu exit $tests, benchmark exit $bench, $((SECONDS - start)) s; results in \$OUT/results"
+echo "== tests exit $tests, benchmark exit $bench, $((SECONDS - start)) s; results in \$OUT/results"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -106,16 +106,30 @@ def _line(r: dict[str, str]) -> str:
     return " ".join(parts)
 
 
-def _summary(rows: list[dict[str, str]]) -> Table:
-    table = Table("op", "shape", "n", "dtype", "mode", "provider", "status", "ms", "x roofline", "peak MB",
-                  title="this run")
+def _summaries(rows: list[dict[str, str]]) -> list[Table]:
+    """Per op, shape, dtype and mode: ms and x roofline by size (rows) and provider (columns)."""
+    groups: dict[tuple, list[dict[str, str]]] = {}
     for r in rows:
-        if r["status"] == report.UNAVAILABLE:
-            continue
-        table.add_row(r["op"], r["shape"], r["n"], r["dtype"], r["mode"], r["provider"], r["status"],
-                      r["ms"] and f"{float(r['ms']):.4g}", r["x_roofline"] and f"{float(r['x_roofline']):.2f}",
-                      r["peak_mb"] and f"{float(r['peak_mb']):.0f}")
-    return table
+        if r["status"] != report.UNAVAILABLE:
+            groups.setdefault((r["op"], r["shape"], r["dtype"], r["mode"]), []).append(r)
+    tables = []
+    for (op, shape, dtype, mode), group in groups.items():
+        names = list(dict.fromkeys(r["provider"] for r in group))
+        table = Table("n", *names, title=f"{op} {shape} {dtype} {mode}: ms (x roofline)", title_justify="left")
+        for n in dict.fromkeys(r["n"] for r in group):
+            cells = {r["provider"]: _cell(r) for r in group if r["n"] == n}
+            table.add_row(n, *(cells.get(name, "") for name in names))
+        tables.append(table)
+    return tables
+
+
+def _cell(r: dict[str, str]) -> str:
+    if r["status"] != measure.OK:
+        return r["status"]
+    if r["op"] == report.OVERHEAD:
+        return f"{float(r['ms']) * 1e6:.0f} ns"
+    roof = f" ({float(r['x_roofline']):.2f}x)" if r["x_roofline"] else ""
+    return f"{float(r['ms']):.4g}{roof}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             r = report.row(case, name, outcome, env, tflops, gbps, roofline_ms)
             if outcome.status != measure.NOT_REACHED:  # keep what an earlier run measured
                 this_run.append(r)
-            progress.console.print(_line(r))
+            if outcome.status != report.UNAVAILABLE:  # said once per op, when planning
+                progress.console.print(_line(r))
             progress.advance(task)
 
         try:
@@ -181,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     all_rows = report.read_csv(csv_path)
     report.write_markdown(args.out / f"{env.gpu_short}.md", all_rows)
     plots = report.write_plots(args.out, env.gpu_short, all_rows)
-    console.print(_summary(this_run))
+    for table in _summaries(this_run):
+        console.print(table)
     console.print(f"wrote {csv_path}, {args.out / (env.gpu_short + '.md')} and {len(plots)} plots "
                   f"in {time.monotonic() - started:.0f} s")
     return status
