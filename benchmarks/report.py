@@ -189,6 +189,7 @@ def write_plots(out_dir: Path, stem: str, rows: list[dict[str, str]]) -> list[Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = {name: f"C{i % 10}" for i, name in enumerate(sorted({r["provider"] for r in rows}))}
     written = []
     for (op, shape, dtype, mode), group in _groups(rows).items():
         ok = [r for r in group if r["status"] == OK]
@@ -202,10 +203,11 @@ def write_plots(out_dir: Path, stem: str, rows: list[dict[str, str]]) -> list[Pa
         for provider, pts in sorted(by_provider.items()):
             pts.sort(key=lambda r: int(r["n"]))
             ns = [int(r["n"]) for r in pts]
-            ax_time.plot(ns, [float(r["ms"]) for r in pts], marker="o", label=provider)
+            style = {"marker": "o", "label": provider, "color": colors[provider]}  # the same in every figure
+            ax_time.plot(ns, [float(r["ms"]) for r in pts], **style)
             mem = [(n, float(r["peak_mb"])) for n, r in zip(ns, pts) if r["peak_mb"]]
             if mem:
-                ax_mem.plot(*zip(*mem), marker="o", label=provider)
+                ax_mem.plot(*zip(*mem), **style)
         x_label = "T*C" if op == "mhc_coeffs" else "N (rows)"
         for ax, y_label in ((ax_time, "ms (median)"), (ax_mem, "peak MB above the inputs")):
             ax.set_xscale("log", base=2)
