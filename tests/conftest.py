@@ -30,6 +30,8 @@ def clean_selection(monkeypatch):
 @pytest.fixture
 def isolated_table():
     """Lets a test declare ops and register backends, and undoes it afterwards."""
+    for op in TABLE.op_names():  # import every backend module first: a module imports (and registers) once
+        TABLE.discover(op)
     saved = {k: copy.copy(v) for k, v in TABLE.__dict__.items() if k != "_lock"}
     saved["_locations"] = {op: dict(locs) for op, locs in TABLE._locations.items()}
     saved["_registered"] = {op: list(impls) for op, impls in TABLE._registered.items()}

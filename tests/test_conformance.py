@@ -182,11 +182,12 @@ def test_fused_linear_kl_div(op, backend, dtype, reduction, log_target, zeros, t
                     ("student_input", "student_weight"))
 
 
-MHC_SHAPES = ((4, 512, 4, 1024),) if ON_GPU else ((2, 3, 4, 8), (5, 2, 8))
+MHC_SHAPES = ((4, 512, 4, 1024), (2048, 4, 256)) if ON_GPU else ((2, 3, 4, 8), (5, 2, 8))
+MHC_CASES = [(shape, tmax) for shape in MHC_SHAPES for tmax in (1, 3, 20)] if ON_GPU else [
+    (MHC_SHAPES[0], 3), (MHC_SHAPES[1], 1), (MHC_SHAPES[1], 20)]
 
 
-@pytest.mark.parametrize("shape", MHC_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("tmax", [1, 3, 20])
+@pytest.mark.parametrize("shape,tmax", MHC_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 @pytest.mark.parametrize("op,backend,dtype", cases(("mhc_coeffs",)))
 def test_mhc_coeffs(op, backend, dtype, shape, tmax):
     hc, c = shape[-2], shape[-1]
