@@ -209,6 +209,21 @@ def large_offsets(kernels):
     torch.cuda.empty_cache()
 
 
+def compile_times():
+    """Seconds to compile each kernel's bf16 default variant (the process cache is bypassed)."""
+    from liger_dispatch.backends.cutedsl import ce, jsd, kl_div
+
+    bf16, i64 = torch.bfloat16, torch.int64
+    keys = {"ce": (ce, (bf16, i64, 8, ce.TUNING, True, False, False)),
+            "jsd beta=0.5": (jsd, (bf16, bf16, i64, 8, jsd.TUNING, jsd.MIXTURE, True)),
+            "kl": (kl_div, (bf16, bf16, i64, 8, kl_div.TUNING, False, True))}
+    for name, (module, key) in keys.items():
+        with check("compile", f"{name} bf16 compile time") as detail:
+            t0 = time.perf_counter()
+            module._compiled.__wrapped__(*key)
+            detail.append(f"{time.perf_counter() - t0:.2f} s")
+
+
 def no_recompile():
     from liger_dispatch.backends.cutedsl import ce
 
@@ -369,6 +384,7 @@ def main():
         kernels = (ce_loss_and_grad, jsd_loss_and_grad, kl_div_loss_and_grad)
         header()
     if kernels is not None:
+        compile_times()
         correctness(kernels, args.quick)
         no_recompile()
         launch_overhead(kernels)
