@@ -77,7 +77,7 @@ class OpTable:
             self._locations.setdefault(name, {}).update(locations)
             for backend in locations:
                 self._backend_names.setdefault(backend, None)
-            self._discovered.discard(name)
+            self._discovered.clear()  # user-level ops composed of `op` must look again too
             self._changed()
 
     def register(self, impl: Impl) -> None:
