@@ -120,8 +120,8 @@ class _FusedLinearLoss(torch.autograd.Function):
     """Autograd around run_chunks for a scalar-reduced loss: the gradient is computed in the forward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, run):  # run(want_dx, want_dw, want_db) -> (loss, dx, dw, db)
-        want = ctx.needs_input_grad
+    def forward(ctx, x, weight, bias, run, grad_enabled):  # run(want_dx, want_dw, want_db) -> (loss, dx, dw, db)
+        want = [grad_enabled and w for w in ctx.needs_input_grad]  # needs_input_grad ignores no_grad()
         loss, dx, dw, db = run(want[0], want[1], want[2] and bias is not None)
         ctx.input_shape = x.shape
         ctx.save_for_backward(dx, dw, db)
@@ -132,7 +132,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         dx, dw, db = _scale_grads(grad_output, *ctx.saved_tensors)
         if dx is not None:
             dx = dx.view(ctx.input_shape)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def compose_flce(kernel: Callable) -> Callable:
@@ -158,7 +158,7 @@ def compose_flce(kernel: Callable) -> Callable:
             loss = rows.sum() * scale
             return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
-        return _FusedLinearLoss.apply(input, weight, bias, run)
+        return _FusedLinearLoss.apply(input, weight, bias, run, torch.is_grad_enabled())
 
     return flce
 
@@ -217,7 +217,7 @@ def compose_jsd(kernel: Callable) -> Callable:
                                               want_db=False, accum_dtype=accum_dtype)
             return loss_rows.sum() * scale, dx, dw, None
 
-        return _FusedLinearLoss.apply(student_input, student_weight, None, run)
+        return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
 
     return fused_linear_jsd
 
@@ -249,6 +249,6 @@ def compose_kl_div(kernel: Callable) -> Callable:
                                               want_db=False, accum_dtype=accum_dtype)
             return loss_rows.sum() * scale, dx, dw, None
 
-        return _FusedLinearLoss.apply(student_input, student_weight, None, run)
+        return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
 
     return fused_linear_kl_div

@@ -76,9 +76,11 @@ def integer(name: str, value) -> None:
 
 def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every entry in [0, vocab) or equal to ignore_index. One device sync when on an accelerator."""
-    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if bool(bad.any()):
-        value = int(target[bad].flatten()[0])
+    if target.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())
+    if low < 0 or high >= vocab:
+        value = low if low < 0 else high
         raise InputError(f"{name} holds {value}, outside [0, {vocab}) and not ignore_index ({ignore_index})")
 
 
