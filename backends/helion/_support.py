@@ -7,6 +7,7 @@ disk by Helion). benchmarks/helion_tune.py regenerates the tables.
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -41,6 +42,8 @@ _INT32_LIMIT = 2**31 - 1
 
 PRIORITY = 30
 CAPABILITY = Capability(devices=DEVICES, min_cc=MIN_CC, dtypes=DTYPES, modules=("helion",))
+# Kernels with hl.dot: HELION_INTERPRET=1 runs it as torch.mm(out_dtype=...), which PyTorch has no CPU kernel for.
+DOT_CAPABILITY = dataclasses.replace(CAPABILITY, devices=("cuda", "cpu") if TRITON_INTERPRETER else ("cuda",))
 
 
 # ---------------------------------------------------------------- configs

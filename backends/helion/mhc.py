@@ -20,7 +20,7 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
-from ._support import CAPABILITY, LOG2E, PRIORITY, Kernel, bucket, needs_int64
+from ._support import DOT_CAPABILITY, LOG2E, PRIORITY, Kernel, bucket, needs_int64
 
 # ---------------------------------------------------------------- Sinkhorn pieces (inlined by Helion)
 # [rows, hc, hc] tiles: dim 2 runs along a row of the hc x hc matrix, dim 1 along a column.
@@ -227,7 +227,7 @@ def _split(t, hc):
     return t[..., :hc], t[..., hc:2 * hc], t[..., 2 * hc:].unflatten(-1, (hc, hc))
 
 
-@register_backend("mhc_coeff_fwd", backend="helion", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("mhc_coeff_fwd", backend="helion", priority=PRIORITY, capability=DOT_CAPABILITY)
 def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
                   sinkhorn_eps=1e-6, post_mult=2.0):
     """x [M, K] -> (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc], mix [M, n], rstd [M]), fp32."""
@@ -244,7 +244,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     return h_pre, h_post, h_res, mix, rstd
 
 
-@register_backend("mhc_coeff_bwd", backend="helion", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("mhc_coeff_bwd", backend="helion", priority=PRIORITY, capability=DOT_CAPABILITY)
 def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
                   hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
     """-> (grad_x in x.dtype, grad_phi in phi.dtype, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res)."""
