@@ -35,6 +35,7 @@ from liger_dispatch.backends.reference import jsd as ref_jsd
 from liger_dispatch.backends.reference import kl_div as ref_kl
 from liger_dispatch.backends.reference import mhc as ref_mhc
 
+DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}  # relative norm of the difference
 
@@ -82,17 +83,17 @@ class Job:
 
 
 def _logits(rows, vocab, dtype, scale=3.0):
-    return (torch.randn(rows, vocab, device="cuda") * scale).to(dtype)
+    return (torch.randn(rows, vocab, device=DEVICE) * scale).to(dtype)
 
 
 def _labels(rows, vocab):
-    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    labels = torch.randint(0, vocab, (rows,), device=DEVICE)
     labels[::7] = -100
     return labels
 
 
 def _scale(rows):
-    return torch.full((), 1.0 / rows, device="cuda")
+    return torch.full((), 1.0 / rows, device=DEVICE)
 
 
 def _loss_jobs(dtype, only):
@@ -115,7 +116,7 @@ def _loss_jobs(dtype, only):
                 i["student"]
 
         def kl_inputs(dtype, vocab=vocab):
-            target = torch.softmax(torch.randn(LOSS_ROWS, vocab, device="cuda") * 2, dim=-1).to(dtype)
+            target = torch.softmax(torch.randn(LOSS_ROWS, vocab, device=DEVICE) * 2, dim=-1).to(dtype)
             return dict(student=_logits(LOSS_ROWS, vocab, dtype), target=target, labels=_labels(LOSS_ROWS, vocab),
                         scale=_scale(LOSS_ROWS))
 
@@ -136,14 +137,14 @@ def _loss_jobs(dtype, only):
 def _mhc_inputs(dtype, channels):
     hc, k = MHC_HC, MHC_HC * channels
     n = hc * hc + 2 * hc
-    params = dict(x=torch.randn(MHC_ROWS, k, device="cuda").to(dtype),
-                  phi=(torch.randn(k, n, device="cuda") / math.sqrt(k)).to(dtype),
-                  b=torch.randn(n, device="cuda"),
-                  alpha_pre=torch.tensor(0.8, device="cuda"), alpha_post=torch.tensor(1.1, device="cuda"),
-                  alpha_res=torch.tensor(0.6, device="cuda"))
+    params = dict(x=torch.randn(MHC_ROWS, k, device=DEVICE).to(dtype),
+                  phi=(torch.randn(k, n, device=DEVICE) / math.sqrt(k)).to(dtype),
+                  b=torch.randn(n, device=DEVICE),
+                  alpha_pre=torch.tensor(0.8, device=DEVICE), alpha_post=torch.tensor(1.1, device=DEVICE),
+                  alpha_res=torch.tensor(0.6, device=DEVICE))
     fwd = ref_mhc.mhc_coeff_fwd(*params.values(), hc=hc)
-    grads = dict(grad_h_pre=torch.randn(MHC_ROWS, hc, device="cuda"), grad_h_post=torch.randn(MHC_ROWS, hc, device="cuda"),
-                 grad_h_res=torch.randn(MHC_ROWS, hc, hc, device="cuda"))
+    grads = dict(grad_h_pre=torch.randn(MHC_ROWS, hc, device=DEVICE), grad_h_post=torch.randn(MHC_ROWS, hc, device=DEVICE),
+                 grad_h_res=torch.randn(MHC_ROWS, hc, hc, device=DEVICE))
     return dict(params=params, saved=dict(mix=fwd[3], rstd=fwd[4]), grads=grads)
 
 
@@ -291,9 +292,9 @@ def main(argv=None) -> None:
         print(f"wrote the defaults of {len(jobs)} keys to {hs.CONFIG_DIR}")
         return
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("helion_tune needs a CUDA device (or --write-defaults)")
-    family = hs.device_family(torch.device("cuda"))
+    family = hs.device_family(torch.device(DEVICE))
     start = time.monotonic()
     deadline = start + args.budget
     entries = {}
