@@ -101,7 +101,10 @@ class Kernel:
     N recompiles nothing), code generated once per config. Each call looks the config up by the device family,
     the dtype of `like` and `shape_key` (bucket(V) for the loss kernels); default_config(shape_key) is the
     hand-written fallback. `int64` asks for 64-bit offsets (Helion's own check looks at numel, not strides).
+    A repeated call (same tensor metadata, as Helion's own fast path keys it) goes straight to the launcher.
     """
+
+    instances: list = []
 
     def __init__(self, fn: Callable, name: str, default_config: Callable[..., dict]):
         self.fn = fn
@@ -109,17 +112,21 @@ class Kernel:
         self.default_config = default_config
         self.forced: Optional[dict] = None
         self._runs: dict = {}
+        Kernel.instances.append(self)
 
     def __call__(self, *args, like: torch.Tensor, shape_key, int64: bool = False):
-        bound = self.helion_kernel(int64).bind(args)
-        if AUTOTUNE or HELION_INTERPRETER:  # autotunes on a first call / runs the body eagerly
-            return bound(*args)
-        config = self.forced or self.config(like.device, like.dtype, shape_key)[0]
-        key = (bound, json.dumps(config, sort_keys=True))
+        key = (id(self.forced), int64, *map(_arg_key, args))
         run = self._runs.get(key)
         if run is None:
-            run = self._runs[key] = bound.compile_config(helion.Config(**config))
+            run = self._runs[key] = self._prepare(args, like, shape_key, int64)
         return run(*args)
+
+    def _prepare(self, args, like, shape_key, int64):
+        bound = self.helion_kernel(int64).bind(args)
+        if AUTOTUNE or HELION_INTERPRETER:  # autotunes on a first call / runs the body eagerly
+            return bound
+        config = self.forced or self.config(like.device, like.dtype, shape_key)[0]
+        return bound.compile_config(helion.Config(**config))
 
     @functools.lru_cache(maxsize=None)
     def config(self, device: torch.device, dtype: torch.dtype, shape_key) -> tuple[dict, str]:
@@ -146,12 +153,22 @@ class Kernel:
             yield
         finally:
             self.forced = saved
+            self._runs = {k: run for k, run in self._runs.items() if k[0] != id(config)}
+
+
+def _arg_key(arg):
+    """What a kernel argument contributes to the launch cache key: tensor metadata, int and bool values."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.shape, arg.stride(), arg.device
+    return arg if arg is None or isinstance(arg, (bool, int)) else type(arg)
 
 
 def reload_configs() -> None:
     """Forget the tables read so far (after CONFIG_DIR changed, or the files did)."""
     config_table.cache_clear()
     Kernel.config.cache_clear()
+    for kernel in Kernel.instances:
+        kernel._runs.clear()
 
 
 def needs_int64(*tensors: torch.Tensor) -> bool:
