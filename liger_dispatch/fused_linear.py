@@ -6,7 +6,7 @@ then dX_c = G @ W and dW += G.T @ x_c (addmm in place). The gradient is produced
 for scalar reductions; reduction="none" recomputes in the backward with the per-row grad_output.
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
-default 256), so a small batch runs as one chunk instead of being cut into a fixed count of
+default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
 launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
 """
 
@@ -18,8 +18,15 @@ from typing import Callable, Optional
 
 import torch
 
-DEFAULT_BUDGET_MB = 256
+DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
+# fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
+# (6e-5) and lose their digits; the kernels write them times this power of two, undone after the GEMMs.
+FP16_GRAD_BOOST = 1024.0
+
+
+def grad_boost(dtype: torch.dtype) -> float:
+    return FP16_GRAD_BOOST if dtype == torch.float16 else 1.0
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
@@ -58,8 +65,10 @@ class _WeightGrad:
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
 
-    def result(self) -> Optional[torch.Tensor]:
-        return None if self.value is None else self.value.to(self.out_dtype)
+    def result(self, unscale: float = 1.0) -> Optional[torch.Tensor]:
+        if self.value is None:
+            return None
+        return (self.value * unscale if unscale != 1.0 else self.value).to(self.out_dtype)
 
 
 def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -74,8 +83,12 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                extra_itemsize: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
                accum_dtype: Optional[torch.dtype] = None):
     """Runs the chunk loop. `chunk_loss(logits, start, end)` overwrites logits with its gradient and
-    returns the per-row loss. Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
+    returns the per-row loss; fp16 buffers hold the gradient times grad_boost(fp16), undone here.
+    Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
+    unscale = 1.0 / grad_boost(x.dtype)
+    if unscale != 1.0:
+        accum_dtype = torch.float32
     rows = chunk_rows(n, vocab, x.element_size() + extra_buffers * extra_itemsize)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
@@ -95,7 +108,11 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
     loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
-    return loss_rows, dx, (dw.result() if dw is not None else None), db
+    if unscale != 1.0:
+        for grad in (dx, db):
+            if grad is not None:
+                grad.mul_(unscale)
+    return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
 def _valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
@@ -148,10 +165,11 @@ def compose_flce(kernel: Callable) -> Callable:
             return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         scale = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
+        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
             def chunk_loss(logits, start, end):
-                return kernel(logits, labels[start:end], grad_scale=scale, **options)
+                return kernel(logits, labels[start:end], grad_scale=kernel_scale, **options)
 
             rows, dx, dw, db = run_chunks(x, weight, bias, chunk_loss, want_dx=want_dx, want_dw=want_dw,
                                           want_db=want_db, accum_dtype=accum_dtype)
@@ -179,7 +197,7 @@ class _FlceNoReduction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         x, weight, bias, labels = ctx.saved_tensors
-        scale = grad_rows.reshape(-1).to(torch.float32)
+        scale = grad_rows.reshape(-1).to(torch.float32) * grad_boost(x.dtype)
         want = ctx.needs_input_grad
         _, dx, dw, db = run_chunks(
             x, weight, bias, lambda logits, s, e: ctx.kernel(logits, labels[s:e], grad_scale=scale[s:e], **ctx.options),
@@ -200,6 +218,7 @@ def compose_jsd(kernel: Callable) -> Callable:
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
         scale = factor / count
+        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
             rows = chunk_rows(x.shape[0], student_weight.shape[0], x.element_size() + xt.element_size())
@@ -210,7 +229,7 @@ def compose_jsd(kernel: Callable) -> Callable:
                 torch.mm(xt[start:end], wt.t(), out=t_logits)
                 chunk_labels = None if labels is None else labels[start:end]
                 return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
-                              temperature=temperature, grad_scale=scale)
+                              temperature=temperature, grad_scale=kernel_scale)
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, extra_buffers=1,
                                               extra_itemsize=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
@@ -238,12 +257,13 @@ def compose_kl_div(kernel: Callable) -> Callable:
         else:
             count = _valid_count(labels, x.shape[0], ignore_index, x.device)
             scale = 1.0 / (count * vocab if reduction == "mean" else count)
+        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
             def chunk_loss(logits, start, end):
                 chunk_labels = None if labels is None else labels[start:end]
                 return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index,
-                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=scale)
+                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=kernel_scale)
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, want_dx=want_dx, want_dw=want_dw,
                                               want_db=False, accum_dtype=accum_dtype)
