@@ -17,7 +17,6 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import helion
-import helion.language as hl
 
 from liger_dispatch import Capability
 
@@ -35,10 +34,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CC = (8, 0)
 AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
 CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
-
-
-_INT32_LIMIT = 2**31 - 1
-
 
 PRIORITY = 30
 CAPABILITY = Capability(devices=DEVICES, min_cc=MIN_CC, dtypes=DTYPES, modules=("helion",))
@@ -104,7 +99,7 @@ class Kernel:
     A repeated call (same tensor metadata, as Helion's own fast path keys it) goes straight to the launcher.
     """
 
-    instances: list = []
+    instances: list["Kernel"] = []  # every kernel, for reload_configs
 
     def __init__(self, fn: Callable, name: str, default_config: Callable[..., dict]):
         self.fn = fn
@@ -176,7 +171,7 @@ def needs_int64(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t is not None and t.numel() > 0:
             span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-            if span > _INT32_LIMIT:
+            if span > 2**31 - 1:
                 return True
     return False
 
@@ -210,7 +205,7 @@ def check_rows(name: str, x: torch.Tensor) -> None:
 
 
 def _patch_interpreter() -> None:
-    """Two gaps of Triton's interpreter that Helion's generated code falls into; compiled Triton is untouched.
+    """Three gaps of Triton's interpreter that Helion's generated code falls into; compiled Triton is untouched.
 
     - Helion lowers torch.exp2 / log2 / tanh / rsqrt to libdevice, which compiled Triton links from the CUDA
       libdevice and the interpreter leaves as empty stubs: here they compute in numpy on the interpreter's arrays.
