@@ -14,6 +14,10 @@ launch would dominate, so they are timed as CUDA graphs (triton.testing.do_bench
     python -m benchmarks.helion_tune --only ce_loss_and_grad --dtypes bf16,fp32 --budget 60
     python -m benchmarks.helion_tune --dry-run          # tune and print, write nothing
     python -m benchmarks.helion_tune --write-defaults   # no GPU: the hand-written defaults as table entries
+
+On the lent H200 (../shared/device/README.md), after `source .devcache/wheels/setup.sh`:
+    python3 -m benchmarks.helion_tune --out $OUT/helion-configs
+then copy the returned files into backends/helion/configs/ and commit them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -54,8 +59,8 @@ CE_CANDIDATES = _rows_configs([(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096
 TWO_INPUT_CANDIDATES = _rows_configs([(512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]) + \
     _rows_configs([(1024, 4), (2048, 8), (4096, 16)], stages=(3,))
 MIX_CANDIDATES = [{"block_sizes": [m, k], "num_warps": w, "num_stages": s} for m, k, w, s in [
-    (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (64, 128, 8, 4),
-    (64, 256, 8, 3), (16, 128, 4, 4), (32, 64, 4, 4), (128, 64, 8, 3)]]
+    (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 8, 3), (64, 256, 8, 2),
+    (128, 128, 8, 3), (128, 256, 8, 2), (64, 512, 8, 2), (16, 256, 4, 4)]]
 MM_BACKWARD_CANDIDATES = [{"block_sizes": [k, m], "num_warps": w, "num_stages": s} for k, m, w, s in [
     (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3),
     (32, 128, 4, 4), (64, 32, 4, 4), (128, 32, 4, 3), (256, 64, 8, 3)]]
@@ -253,17 +258,17 @@ ABOUT = ("Helion configs by '<GPU family>/<dtype>/<shape bucket>', read by backe
          "default, written out. Keys not listed use the hand-written default.")
 
 
-def write_tables(entries: dict[str, dict[str, dict]]) -> None:
-    """Merges {kernel name: {key: entry}} into the committed tables."""
-    hs.CONFIG_DIR.mkdir(parents=True, exist_ok=True)
+def write_tables(entries: dict[str, dict[str, dict]], out: Path) -> None:
+    """Merges {kernel name: {key: entry}} into the committed tables, written to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     for name, new in entries.items():
-        path = hs.config_path(name)
-        configs = json.loads(path.read_text())["configs"] if path.exists() else {}
+        committed = hs.config_path(name)
+        configs = json.loads(committed.read_text())["configs"] if committed.exists() else {}
         configs.update(new)
+        path = out / committed.name
         lines = [f"  {json.dumps(key)}: {json.dumps(entry)}" for key, entry in sorted(configs.items())]
         path.write_text("{\n" + f' "kernel": {json.dumps(name)},\n "about": {json.dumps(ABOUT)},\n'
                         + ' "configs": {\n' + ",\n".join(lines) + "\n }\n}\n")
-    hs.reload_configs()
 
 
 def _all_jobs(dtypes, only):
@@ -276,6 +281,9 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default=None, help="comma-separated kernel (table) names")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole tuning run")
     parser.add_argument("--dry-run", action="store_true", help="print the winners, write nothing")
+    parser.add_argument("--out", type=Path, default=hs.CONFIG_DIR,
+                        help="where the merged tables go (default: the committed ones; on the device machine, "
+                             "a folder under $OUT, then copy them into backends/helion/configs/)")
     parser.add_argument("--write-defaults", action="store_true",
                         help="write the hand-written defaults of every job's key as 'sm90' entries (no GPU)")
     args = parser.parse_args(argv)
@@ -288,8 +296,8 @@ def main(argv=None) -> None:
         for job in jobs:
             key = hs.config_key("sm90", job.dtype, job.shape_key)
             entries.setdefault(job.kernel.name, {})[key] = _entry(job, job.kernel.default_config(job.shape_key), "default")
-        write_tables(entries)
-        print(f"wrote the defaults of {len(jobs)} keys to {hs.CONFIG_DIR}")
+        write_tables(entries, args.out)
+        print(f"wrote the defaults of {len(jobs)} keys to {args.out}")
         return
 
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -319,8 +327,8 @@ def main(argv=None) -> None:
     skipped = sum(error == "over the time budget" for job in jobs for _, _, error in job.results)
     print(f"tuning took {elapsed:.0f} s for {len(jobs)} jobs ({skipped} candidates skipped by the {args.budget:.0f} s budget)")
     if not args.dry_run:
-        write_tables(entries)
-        print(f"wrote {sum(map(len, entries.values()))} entries to {hs.CONFIG_DIR}")
+        write_tables(entries, args.out)
+        print(f"wrote {sum(map(len, entries.values()))} entries to {args.out}")
 
 
 if __name__ == "__main__":

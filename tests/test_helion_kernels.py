@@ -10,6 +10,7 @@ the real vocabularies, an mHC layer of real size and a row offset past 2^31.
 import json
 import os
 
+import helion
 import pytest
 import torch
 
@@ -214,6 +215,28 @@ def test_mhc_over_several_k_blocks_and_row_tiles():
     want_bwd = reference_mhc.mhc_coeff_bwd(*params, *want_fwd[3:], *grads, hc=hc, tmax=tmax)
     for got, want in zip(got_fwd + got_bwd, want_fwd + want_bwd):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("HELION_INTERPRET") == "1", reason="no generated code in Helion's eager mode")
+def test_sinkhorn_iterates_are_fenced():
+    """The producer writes each Sinkhorn iterate in one loop and reads them back, last first, in the next: Helion
+    must put a CTA barrier between the two (the interpreter runs each program as one thread and cannot tell)."""
+    rows, hc = 4, 4
+    n = hc * hc + 2 * hc
+
+    def f32(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    def split(t):
+        return t[..., :hc], t[..., hc:2 * hc], t[..., 2 * hc:].unflatten(-1, (hc, hc))
+
+    part = f32(rows, n + 3)
+    args = (*split(f32(rows, n)), *split(f32(n)), *(torch.tensor(v, device=DEVICE) for v in (0.8, 1.1, 0.6)),
+            f32(rows), None, f32(rows, hc), f32(rows, hc, hc), *split(f32(rows, n)), f32(rows),
+            *split(part[:, :n]), part[:, n:], f32(rows, 2, hc, hc), 3, 1e-6, 2.0, 0.1)
+    config = helion.Config(**mhc.COEFF_GRADS.default_config(hc))
+    code = mhc.COEFF_GRADS.helion_kernel(False).bind(args).to_triton_code(config)
+    assert "tl.debug_barrier()" in code[code.index("tl.store(iterates"):code.index("tl.load(iterates")]
 
 
 # ---------------------------------------------------------------- GPU, real shapes

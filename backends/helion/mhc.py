@@ -5,7 +5,7 @@ Forward:
        rstd = rsqrt(mean(x^2) + eps), mix = (x @ phi) * rstd.
     2. coefficients: the two sigmoids and the Sinkhorn iterations on [rows, hc, hc] tiles in registers.
 Backward:
-    1. producer: sigmoid derivatives and the Sinkhorn backward (each iterate recomputed from mix, nothing stored),
+    1. producer: sigmoid derivatives and the Sinkhorn backward (iterates recomputed from mix into a scratch),
        gz = grad_mix * rstd (in x's dtype, the GEMMs' operand type), the per-row RMS coefficient
        rstd^2 / K * sum_j grad_mix_j mix_j, and per-row partials of grad_b and the alphas;
     2. reducer: those partials summed over the rows in a fixed order (deterministic, no atomics);
@@ -104,7 +104,7 @@ def _coeff_grads(
     grad_pre: Optional[torch.Tensor], grad_post: Optional[torch.Tensor], grad_res: Optional[torch.Tensor],
     gz_pre: torch.Tensor, gz_post: torch.Tensor, gz_res: torch.Tensor, coef: torch.Tensor,
     part_pre: torch.Tensor, part_post: torch.Tensor, part_res: torch.Tensor, part_alpha: torch.Tensor,
-    tmax: int, sinkhorn_eps: float, post_mult: float, inv_k: float,
+    iterates: torch.Tensor, tmax: int, sinkhorn_eps: float, post_mult: float, inv_k: float,
 ) -> None:
     """Per row: gz = grad_mix * rstd, coef = rstd^2 / K * sum_j grad_mix_j mix_j, and the partials of grad_b
     (d loss / d pre-activation) and of the alphas (that times mix, summed over the row's columns of each kind)."""
@@ -129,17 +129,20 @@ def _coeff_grads(
         else:
             d_post = torch.zeros_like(m_post)
         if grad_res is not None:
-            # Sinkhorn backward. Rounds are undone last to first; the input of round t is recomputed from the
-            # first iterate by t - 1 rounds (O(tmax^2) small steps, nothing stored). A normalization
-            # y = x * inv, inv = 1 / (sum x + eps) along an axis, has dx = inv * (dy - sum(dy * y)) along it.
+            # Sinkhorn backward: the iterates are recomputed from mix, each round's input kept in `iterates`
+            # (this program's rows; Helion puts a CTA barrier between the loops for the global read-after-write),
+            # then the rounds are undone last to first. A normalization y = x * inv, inv = 1 / (sum x + eps)
+            # along an axis, has dx = inv * (dy - sum(dy * y)) along the same axis.
             soft = _row_softmax(m_res * a_res + b_res[None, :, :])
             col_inv = _inv_col_sums(soft + sinkhorn_eps, sinkhorn_eps)
             first = (soft + sinkhorn_eps) * col_inv
+            p = first
+            for t in range(tmax - 1):
+                iterates[tile_m, t, :, :] = p
+                p = _round(p, sinkhorn_eps)
             d_res = grad_res[tile_m, :, :]
             for done in range(tmax - 1):
-                p = first
-                for _ in range(tmax - 2 - done):
-                    p = _round(p, sinkhorn_eps)
+                p = iterates[tile_m, tmax - 2 - done, :, :]
                 row_inv = _inv_row_sums(p, sinkhorn_eps)
                 rows = p * row_inv
                 col_inv_t = _inv_col_sums(rows, sinkhorn_eps)
@@ -198,8 +201,9 @@ def _mm_rms_backward(
 
 
 def _mix_config(key) -> dict:
+    """64 rows a program, 128-wide K blocks, 3 stages: fits shared memory in fp32 too."""
     _, k_bucket = key
-    return {"block_sizes": [32, min(256, max(16, k_bucket))], "num_warps": 4, "num_stages": 3}
+    return {"block_sizes": [64, min(128, max(16, k_bucket))], "num_warps": 8, "num_stages": 3}
 
 
 def _rows_config(_) -> dict:
@@ -211,8 +215,9 @@ def _sum_config(_) -> dict:
 
 
 def _mm_backward_config(key) -> dict:
+    """64-wide K blocks a program, 128 rows a step."""
     _, k_bucket = key
-    return {"block_sizes": [min(64, max(16, k_bucket)), 64], "num_warps": 4, "num_stages": 3}
+    return {"block_sizes": [min(64, max(16, k_bucket)), 128], "num_warps": 4, "num_stages": 3}
 
 
 MIX = Kernel(_mix, "mhc_mix", _mix_config)
@@ -255,6 +260,7 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     gz = torch.empty(M, n, dtype=x.dtype, device=x.device)  # the dtype of the backward GEMMs' operands
     coef = torch.empty(M, **f32)
     part = torch.empty(M, n + 3, **f32)  # per row: grad_b partials, then the three alphas'
+    iterates = torch.empty(M, max(1, tmax - 1), hc, hc, **f32) if grad_h_res is not None else None
     sums = torch.empty(n + 3, **f32)
     if M == 0:
         sums.zero_()
@@ -263,7 +269,8 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     else:
         COEFF_GRADS(*_split(mix, hc), *_split(b, hc), alpha_pre, alpha_post, alpha_res, rstd,
                     grad_h_pre, grad_h_post, grad_h_res, *_split(gz, hc), coef, *_split(part[:, :n], hc),
-                    part[:, n:], int(tmax), float(sinkhorn_eps), float(post_mult), 1.0 / K, like=x, shape_key=hc)
+                    part[:, n:], iterates, int(tmax), float(sinkhorn_eps), float(post_mult), 1.0 / K, like=x, shape_key=hc,
+                    int64=needs_int64(iterates))
         SUM_PARTIALS(part, sums, like=x, shape_key=hc)
         MM_RMS_BACKWARD(x, phi, gz, coef, grad_x, grad_phi, like=x, shape_key=(hc, bucket(K)), int64=needs_int64(x))
     return grad_x, grad_phi, sums[:n], sums[n], sums[n + 1], sums[n + 2]
