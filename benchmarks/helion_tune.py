@@ -13,7 +13,7 @@ launch would dominate, so they are timed as CUDA graphs (triton.testing.do_bench
     python -m benchmarks.helion_tune                    # tune everything (bf16), write the tables
     python -m benchmarks.helion_tune --only ce_loss_and_grad --dtypes bf16,fp32 --budget 60
     python -m benchmarks.helion_tune --dry-run          # tune and print, write nothing
-    python -m benchmarks.helion_tune --write-defaults   # no GPU: the hand-written defaults as table entries
+    python -m benchmarks.helion_tune --write-defaults   # no GPU: defaults for the keys the tables lack
 
 On the lent H200 (../shared/device/README.md), after `source .devcache/wheels/setup.sh`:
     python3 -m benchmarks.helion_tune --out $OUT/helion-configs
@@ -285,19 +285,21 @@ def main(argv=None) -> None:
                         help="where the merged tables go (default: the committed ones; on the device machine, "
                              "a folder under $OUT, then copy them into backends/helion/configs/)")
     parser.add_argument("--write-defaults", action="store_true",
-                        help="write the hand-written defaults of every job's key as 'sm90' entries (no GPU)")
+                        help="add the hand-written defaults of the 'sm90' keys the tables lack (no GPU)")
     args = parser.parse_args(argv)
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     only = set(args.only.split(",")) if args.only else None
     jobs = _all_jobs(dtypes, only)
 
-    if args.write_defaults:
+    if args.write_defaults:  # keys the tables lack get the default; tuned entries stay
         entries: dict = {}
         for job in jobs:
             key = hs.config_key("sm90", job.dtype, job.shape_key)
-            entries.setdefault(job.kernel.name, {})[key] = _entry(job, job.kernel.default_config(job.shape_key), "default")
+            if key not in hs.config_table(job.kernel.name):
+                entries.setdefault(job.kernel.name, {})[key] = _entry(job, job.kernel.default_config(job.shape_key),
+                                                                      "default")
         write_tables(entries, args.out)
-        print(f"wrote the defaults of {len(jobs)} keys to {args.out}")
+        print(f"wrote the defaults of {sum(map(len, entries.values()))} missing keys to {args.out}")
         return
 
     if DEVICE == "cuda" and not torch.cuda.is_available():
