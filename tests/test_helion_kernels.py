@@ -242,22 +242,34 @@ def test_sinkhorn_iterates_are_fenced():
 # ---------------------------------------------------------------- GPU, real shapes
 
 
+def check_rows_relative(loss, grad, expected_loss, expected_grad, tol=5e-3):
+    """Real vocabularies: softmax entries near 1/V sit far below any useful atol, so compare each row's
+    gradient by its relative norm (bf16 rounding alone gives ~2e-3)."""
+    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-4, atol=1e-4)
+    err = (grad.double() - expected_grad).norm(dim=1)
+    assert (err <= tol * expected_grad.norm(dim=1)).all(), err.max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 128256, 262208])
 def test_gpu_real_vocabularies(vocab):
     rows = 512
-    x = logits(rows, vocab, torch.bfloat16, row_stride=vocab + 64)
+    x = logits(rows, vocab, torch.bfloat16)
     teacher = logits(rows, vocab, torch.bfloat16)
-    target, grad_scale = labels(rows, vocab, ignored=range(0, rows, 5)), torch.tensor(1 / rows, device=DEVICE)
-    for op, rows_fn, args in [
-        (ce.ce_loss_and_grad, lambda z: ce_rows(z, target, ignore_index=IGNORE), (target,)),
-        (jsd.jsd_loss_and_grad, lambda s: jsd_rows(s, teacher, target, beta=0.5, ignore_index=IGNORE), (teacher, target)),
-    ]:
-        student = x.clone()
-        expected = reference(rows_fn, student, grad_scale)
-        kwargs = dict(beta=0.5) if op is jsd.jsd_loss_and_grad else {}
-        loss = op(student, *args, grad_scale=grad_scale, ignore_index=IGNORE, **kwargs)
-        check(loss, student, *expected)
+    probs = torch.softmax(torch.randn(rows, vocab, device=DEVICE) * 2, dim=-1)
+    target = labels(rows, vocab, ignored=range(0, rows, 5))
+    cases = [
+        (ce.ce_loss_and_grad, lambda z: ce_rows(z, target, ignore_index=IGNORE), (target,), {}),
+        (jsd.jsd_loss_and_grad, lambda s: jsd_rows(s, teacher, target, beta=0.5, ignore_index=IGNORE),
+         (teacher, target), dict(beta=0.5)),
+        (kl_div.kl_div_loss_and_grad, lambda s: kl_div_rows(s, probs, target, ignore_index=IGNORE), (probs, target), {}),
+    ]
+    for op, rows_fn, args, kwargs in cases:
+        student = logits(rows, vocab, torch.bfloat16, row_stride=vocab + 64)
+        student.copy_(x)
+        expected = reference(rows_fn, student)
+        loss = op(student, *args, ignore_index=IGNORE, **kwargs)
+        check_rows_relative(loss, student, *expected)
 
 
 @pytest.mark.gpu
@@ -268,7 +280,7 @@ def test_gpu_row_offsets_past_int32():
     target = labels(3, vocab, ignored=())
     assert _support.needs_int64(x)
     expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE), x)
-    check(ce.ce_loss_and_grad(x, target, ignore_index=IGNORE), x, *expected)
+    check_rows_relative(ce.ce_loss_and_grad(x, target, ignore_index=IGNORE), x, *expected)
 
 
 @pytest.mark.gpu
