@@ -79,7 +79,6 @@ def _coeffs(
     tmax: int, pre_eps: float, sinkhorn_eps: float, post_mult: float,
 ) -> None:
     M = mix_pre.size(0)
-    hl.specialize(mix_pre.size(1))
     block_m = hl.register_block_size(M)
     for tile_m in hl.tile(M, block_size=block_m):
         z_pre = mix_pre[tile_m, :] * hl.load(alpha_pre, []) + b_pre[None, :]
