@@ -107,7 +107,8 @@ def _loss_jobs(dtype, only):
         key, shape = hs.bucket(vocab), f"{LOSS_ROWS}x{vocab}"
 
         def ce_inputs(dtype, vocab=vocab):
-            return dict(logits=_logits(LOSS_ROWS, vocab, dtype), target=_labels(LOSS_ROWS, vocab), scale=_scale(LOSS_ROWS))
+            return dict(logits=_logits(LOSS_ROWS, vocab, dtype), target=_labels(LOSS_ROWS, vocab),
+                        scale=_scale(LOSS_ROWS))
 
         def ce_run(i, op=ce.ce_loss_and_grad):
             return op(i["logits"], i["target"], grad_scale=i["scale"]), i["logits"]
@@ -148,7 +149,8 @@ def _mhc_inputs(dtype, channels):
                   alpha_pre=torch.tensor(0.8, device=DEVICE), alpha_post=torch.tensor(1.1, device=DEVICE),
                   alpha_res=torch.tensor(0.6, device=DEVICE))
     fwd = ref_mhc.mhc_coeff_fwd(*params.values(), hc=hc)
-    grads = dict(grad_h_pre=torch.randn(MHC_ROWS, hc, device=DEVICE), grad_h_post=torch.randn(MHC_ROWS, hc, device=DEVICE),
+    grads = dict(grad_h_pre=torch.randn(MHC_ROWS, hc, device=DEVICE),
+                 grad_h_post=torch.randn(MHC_ROWS, hc, device=DEVICE),
                  grad_h_res=torch.randn(MHC_ROWS, hc, hc, device=DEVICE))
     return dict(params=params, saved=dict(mix=fwd[3], rstd=fwd[4]), grads=grads)
 
@@ -327,7 +329,8 @@ def main(argv=None) -> None:
         entries.setdefault(job.kernel.name, {})[key] = _entry(job, config, "tuned", ms, default_ms)
     elapsed = time.monotonic() - start
     skipped = sum(error == "over the time budget" for job in jobs for _, _, error in job.results)
-    print(f"tuning took {elapsed:.0f} s for {len(jobs)} jobs ({skipped} candidates skipped by the {args.budget:.0f} s budget)")
+    print(f"tuning took {elapsed:.0f} s for {len(jobs)} jobs "
+          f"({skipped} candidates skipped by the {args.budget:.0f} s budget)")
     if not args.dry_run:
         write_tables(entries, args.out)
         print(f"wrote {sum(map(len, entries.values()))} entries to {args.out}")

@@ -262,7 +262,8 @@ def test_gpu_real_vocabularies(vocab):
         (ce.ce_loss_and_grad, lambda z: ce_rows(z, target, ignore_index=IGNORE), (target,), {}),
         (jsd.jsd_loss_and_grad, lambda s: jsd_rows(s, teacher, target, beta=0.5, ignore_index=IGNORE),
          (teacher, target), dict(beta=0.5)),
-        (kl_div.kl_div_loss_and_grad, lambda s: kl_div_rows(s, probs, target, ignore_index=IGNORE), (probs, target), {}),
+        (kl_div.kl_div_loss_and_grad, lambda s: kl_div_rows(s, probs, target, ignore_index=IGNORE),
+         (probs, target), {}),
     ]
     for op, rows_fn, args, kwargs in cases:
         student = logits(rows, vocab, torch.bfloat16, row_stride=vocab + 64)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 import helion
+import helion.language as hl
 
 from liger_dispatch import Capability
 
@@ -198,7 +199,8 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
 
 def check_rows(name: str, x: torch.Tensor) -> None:
     if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
 
 
 # ---------------------------------------------------------------- Triton interpreter
@@ -261,6 +263,23 @@ if TRITON_INTERPRETER:
 # ---------------------------------------------------------------- in-kernel helpers (inlined by Helion)
 
 
+if HELION_INTERPRETER:  # eager PyTorch: no Triton to inline
+    exp2, log2 = torch.exp2, torch.log2
+else:
+    def exp2(x):
+        """2^x as Triton's own exp2 (ex2.approx); torch.exp2 would lower to libdevice's."""
+        return hl.inline_triton("tl.math.exp2({0})", args=(x,), output_like=x)
+
+    def log2(x):
+        """log2 x as Triton's own log2 (lg2.approx); torch.log2 lowers to libdevice's exact, slower one."""
+        return hl.inline_triton("tl.math.log2({0})", args=(x,), output_like=x)
+
+
+def load_f32(x, tile_c, tile_v, row_mask, policy):
+    """x[tile_c, tile_v] in fp32; rows where row_mask [rows, 1] is False are not read (0)."""
+    return hl.load(x, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=policy).to(torch.float32)
+
+
 def online_step(m, u, in_row):
     """One block of an online softmax in base 2 (Milakov & Gimelshein) over rows of u.
 
@@ -269,5 +288,5 @@ def online_step(m, u, in_row):
     sums (d = d * alpha + e) and reduce them once, after the last block: only the max is reduced per block.
     """
     m_new = torch.maximum(m, torch.amax(u, dim=1))
-    alpha = torch.exp2(m - m_new).unsqueeze(1)
-    return m_new, alpha, torch.where(in_row, torch.exp2(u - m_new.unsqueeze(1)), 0.0)
+    alpha = exp2(m - m_new).unsqueeze(1)
+    return m_new, alpha, torch.where(in_row, exp2(u - m_new.unsqueeze(1)), 0.0)

@@ -14,8 +14,8 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, flat_rows, needs_int64, online_step,
-    row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, flat_rows, load_f32, log2,
+    needs_int64, online_step, row_scale,
 )
 
 
@@ -45,14 +45,14 @@ def _ce(
         d = hl.zeros([tile_c, block_v], dtype=torch.float32)
         z_sum = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            z = hl.load(logits, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32)
+            z = load_f32(logits, tile_c, tile_v, row_mask, KEEP)
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
             m, alpha, e = online_step(m, z * LOG2E, tile_v.index[None, :] < V)
             d = d * alpha + e
             if smoothing is not None:
                 z_sum = z_sum + z  # lanes past V loaded 0 (and tanh(0) = 0)
-        lse2 = m + torch.log2(torch.sum(d, dim=1))
+        lse2 = m + log2(torch.sum(d, dim=1))
         lse = lse2 * LN2
         row_loss = lse + lse_square_scale * lse * lse
         on_target = hl.full([tile_c], 1.0, dtype=torch.float32)
@@ -69,13 +69,13 @@ def _ce(
         on_target = g_scale * on_target
         uniform = g_scale * uniform
         for tile_v in hl.tile(V, block_size=block_v):
-            x = hl.load(logits, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32)
+            x = load_f32(logits, tile_c, tile_v, row_mask, STREAM)
             if softcap is not None:
                 t = torch.tanh(x / softcap)
                 z = softcap * t
             else:
                 z = x
-            p = torch.exp2(z * LOG2E - lse2[:, None])
+            p = exp2(z * LOG2E - lse2[:, None])
             hit = tile_v.index[None, :] == y[:, None]
             g = p_coef[:, None] * p - uniform[:, None] - torch.where(hit, on_target[:, None], 0.0)
             if softcap is not None:

@@ -15,7 +15,8 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, needs_int64, online_step, row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, load_f32, log2, needs_int64,
+    online_step, row_scale,
 )
 
 _TINY = 1.1754943508222875e-38  # smallest normal fp32: m underflows only where p and q both do
@@ -44,8 +45,8 @@ def _forward_kl(
         d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
         e_p_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
-            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
+            t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
             m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
             m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
@@ -53,14 +54,14 @@ def _forward_kl(
             d_t = d_t * alpha_t + e_t
             e_p_diff = e_p_diff * alpha_t + e_t * (t2 - s2)
         sum_t = torch.sum(d_t, dim=1)
-        lse_s = m_s + torch.log2(torch.sum(d_s, dim=1))
-        lse_t = m_t + torch.log2(sum_t)
+        lse_s = m_s + log2(torch.sum(d_s, dim=1))
+        lse_t = m_t + log2(sum_t)
         loss[tile_c] = torch.where(valid, (torch.sum(e_p_diff, dim=1) / sum_t - lse_t + lse_s) * LN2, 0.0)
         g_scale = torch.where(valid, scale[tile_c], 0.0) * grad_mult
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
-            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
-            g = g_scale[:, None] * (torch.exp2(s2 - lse_s[:, None]) - torch.exp2(t2 - lse_t[:, None]))
+            s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2
+            t2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2
+            g = g_scale[:, None] * (exp2(s2 - lse_s[:, None]) - exp2(t2 - lse_t[:, None]))
             student[tile_c, tile_v] = g.to(student.dtype)
 
 
@@ -81,8 +82,8 @@ def _reverse_kl(
         d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
         e_q_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
-            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
+            t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
             m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
             m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
@@ -90,16 +91,16 @@ def _reverse_kl(
             d_t = d_t * alpha_t + e_t
             e_q_diff = e_q_diff * alpha_s + e_s * (s2 - t2)
         sum_s = torch.sum(d_s, dim=1)
-        lse_s = m_s + torch.log2(sum_s)
-        lse_t = m_t + torch.log2(torch.sum(d_t, dim=1))
+        lse_s = m_s + log2(sum_s)
+        lse_t = m_t + log2(torch.sum(d_t, dim=1))
         kl2 = torch.sum(e_q_diff, dim=1) / sum_s - lse_s + lse_t
         loss[tile_c] = torch.where(valid, kl2 * LN2, 0.0)
         g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * LN2)
         shift = lse_s - lse_t + kl2
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
-            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2
-            g = g_scale[:, None] * torch.exp2(s2 - lse_s[:, None]) * (s2 - t2 - shift[:, None])
+            s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2
+            t2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2
+            g = g_scale[:, None] * exp2(s2 - lse_s[:, None]) * (s2 - t2 - shift[:, None])
             student[tile_c, tile_v] = g.to(student.dtype)
 
 
@@ -120,24 +121,24 @@ def _mixture(
         d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
         d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
-            t2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2
+            s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
+            t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
             m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
             m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
             d_s = d_s * alpha_s + e_s
             d_t = d_t * alpha_t + e_t
-        lse_s = m_s + torch.log2(torch.sum(d_s, dim=1))
-        lse_t = m_t + torch.log2(torch.sum(d_t, dim=1))
+        lse_s = m_s + log2(torch.sum(d_s, dim=1))
+        lse_t = m_t + log2(torch.sum(d_t, dim=1))
 
         row_loss = hl.zeros([tile_c, block_v], dtype=torch.float32)
         cross = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            ls2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2 - lse_s[:, None]
-            lt2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32) * to_log2 - lse_t[:, None]
-            q = torch.exp2(ls2)
-            p = torch.exp2(lt2)
-            lm2 = torch.log2(torch.clamp_min(beta * p + (1.0 - beta) * q, _TINY))
+            ls2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2 - lse_s[:, None]
+            lt2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2 - lse_t[:, None]
+            q = exp2(ls2)
+            p = exp2(lt2)
+            lm2 = log2(torch.clamp_min(beta * p + (1.0 - beta) * q, _TINY))
             in_row = tile_v.index[None, :] < V
             q_term = torch.where(in_row, q * (ls2 - lm2), 0.0)
             row_loss = row_loss + beta * torch.where(in_row, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
@@ -146,10 +147,10 @@ def _mixture(
         cross2 = torch.sum(cross, dim=1)
         g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * (1.0 - beta) * LN2)
         for tile_v in hl.tile(V, block_size=block_v):
-            ls2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2 - lse_s[:, None]
-            lt2 = hl.load(teacher, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32) * to_log2 - lse_t[:, None]
-            q = torch.exp2(ls2)
-            lm2 = torch.log2(torch.clamp_min(beta * torch.exp2(lt2) + (1.0 - beta) * q, _TINY))
+            ls2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2 - lse_s[:, None]
+            lt2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2 - lse_t[:, None]
+            q = exp2(ls2)
+            lm2 = log2(torch.clamp_min(beta * exp2(lt2) + (1.0 - beta) * q, _TINY))
             g = g_scale[:, None] * q * (ls2 - lm2 - cross2[:, None])
             student[tile_c, tile_v] = g.to(student.dtype)
 

@@ -14,7 +14,8 @@ import helion.language as hl
 from liger_dispatch import register_backend
 
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, needs_int64, online_step, row_scale,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, load_f32, log2, needs_int64,
+    online_step, row_scale,
 )
 
 
@@ -35,32 +36,32 @@ def _kl_div(
         d = hl.zeros([tile_c, block_v], dtype=torch.float32)
         q_sum = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32)
-            tq = hl.load(target, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=KEEP).to(torch.float32)
+            s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP)
+            tq = load_f32(target, tile_c, tile_v, row_mask, KEEP)
             in_row = tile_v.index[None, :] < V
             m, alpha, e = online_step(m, s2 * to_log2, in_row)
             d = d * alpha + e
-            q = torch.exp2(tq * LOG2E) if log_target else tq
+            q = exp2(tq * LOG2E) if log_target else tq
             q_sum = q_sum + torch.where(in_row, q, 0.0)
-        lse2 = m + torch.log2(torch.sum(d, dim=1))
+        lse2 = m + log2(torch.sum(d, dim=1))
         total_q = torch.sum(q_sum, dim=1)
 
         g_scale = torch.where(valid, scale[tile_c], 0.0) * grad_mult
         row_loss = hl.zeros([tile_c, block_v], dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
-            s2 = hl.load(student, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32)
-            tq = hl.load(target, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=STREAM).to(torch.float32)
+            s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM)
+            tq = load_f32(target, tile_c, tile_v, row_mask, STREAM)
             in_row = tile_v.index[None, :] < V
             if log_target:
-                q = torch.exp2(tq * LOG2E)
+                q = exp2(tq * LOG2E)
                 log_q = tq
             else:
                 q = tq
-                log_q = torch.log2(torch.clamp_min(q, eps)) * LN2
+                log_q = log2(torch.clamp_min(q, eps)) * LN2
             ls2 = s2 * to_log2 - lse2[:, None]
             # 0 log 0 = 0, also where log q is -inf (eps = 0, or a log-target of -inf)
             row_loss = row_loss + torch.where(in_row & (q > 0.0), q * (log_q - ls2 * LN2), 0.0)
-            g = g_scale[:, None] * (torch.exp2(ls2) * total_q[:, None] - q)
+            g = g_scale[:, None] * (exp2(ls2) * total_q[:, None] - q)
             student[tile_c, tile_v] = g.to(student.dtype)
         loss[tile_c] = torch.where(valid, torch.sum(row_loss, dim=1), 0.0)
 

@@ -20,14 +20,14 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
-from ._support import DOT_CAPABILITY, LOG2E, PRIORITY, Kernel, bucket, needs_int64
+from ._support import DOT_CAPABILITY, LOG2E, PRIORITY, Kernel, bucket, exp2, needs_int64
 
 # ---------------------------------------------------------------- Sinkhorn pieces (inlined by Helion)
 # [rows, hc, hc] tiles: dim 2 runs along a row of the hc x hc matrix, dim 1 along a column.
 
 
 def _row_softmax(logits):
-    e = torch.exp2((logits - torch.amax(logits, dim=2, keepdim=True)) * LOG2E)
+    e = exp2((logits - torch.amax(logits, dim=2, keepdim=True)) * LOG2E)
     return e / torch.sum(e, dim=2, keepdim=True)
 
 
@@ -268,8 +268,8 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     else:
         COEFF_GRADS(*_split(mix, hc), *_split(b, hc), alpha_pre, alpha_post, alpha_res, rstd,
                     grad_h_pre, grad_h_post, grad_h_res, *_split(gz, hc), coef, *_split(part[:, :n], hc),
-                    part[:, n:], iterates, int(tmax), float(sinkhorn_eps), float(post_mult), 1.0 / K, like=x, shape_key=hc,
-                    int64=needs_int64(iterates))
+                    part[:, n:], iterates, int(tmax), float(sinkhorn_eps), float(post_mult), 1.0 / K,
+                    like=x, shape_key=hc, int64=needs_int64(iterates))
         SUM_PARTIALS(part, sums, like=x, shape_key=hc)
         MM_RMS_BACKWARD(x, phi, gz, coef, grad_x, grad_phi, like=x, shape_key=(hc, bucket(K)), int64=needs_int64(x))
     return grad_x, grad_phi, sums[:n], sums[n], sums[n + 1], sums[n + 2]
