@@ -7,12 +7,14 @@ the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
 import os
+import subprocess
+import sys
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and __name__ != "__main__":  # run as a script: see test_direct_launch
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix  # noqa: E402
@@ -165,7 +167,158 @@ def test_capability_rejects_unsupported_hc():
     assert "hc=3" in predicate(torch.zeros(2, 6), torch.zeros(6, 15), hc=3)
 
 
+def test_calls_of_one_shape_that_differ_elsewhere():
+    """Plans are keyed on all a launch depends on: calls of one shape with another row stride, dtype, tmax or
+    set of upstream gradients each get their own."""
+    run(9, 4, 8, 3)
+    run(9, 4, 8, 3, x_row_stride=40)
+    run(9, 4, 8, 3, phi_dtype=torch.float64)
+    run(9, 4, 8, 2)
+    run(9, 4, 8, 3, present=(False, True, True))
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["fresh", "views"])
+def test_user_level_outputs_take_in_place_changes(views):
+    """The composed op's outputs are no views made inside its autograd Function (autograd forbids changing
+    those in place), also when a backend's forward returns views."""
+    from liger_dispatch.backends.reference.formulas import mhc_coeffs
+    from liger_dispatch.mhc import compose_mhc
+
+    def fwd(*args, **kwargs):
+        pre, post, res, mix, rstd = mhc.mhc_coeff_fwd(*args, **kwargs)
+        return (pre.t().contiguous().t(), post[:, :], res, mix, rstd) if views else (pre, post, res, mix, rstd)
+
+    hc, tmax = 4, 3
+    x, phi, b, *alphas = inputs(6, hc, 8)
+    leaves = [t.reshape(2, 3, hc, 8) if t is x else t for t in (x, phi, b, *alphas)]
+    got = [t.clone().requires_grad_() for t in leaves]
+    want = [t.double().requires_grad_() for t in leaves]
+    weights = [u.reshape(2, 3, *u.shape[1:]) for u in upstream(6, hc)]
+    outs = compose_mhc(fwd, mhc.mhc_coeff_bwd)(*got, tmax=tmax, **OPTIONS)
+    for h in outs:
+        h.mul_(2.0)
+    sum((h * u).sum() for h, u in zip(outs, weights)).backward()
+    expected = mhc_coeffs(*want, tmax=tmax, **OPTIONS)
+    sum(2.0 * (h * u).sum() for h, u in zip(expected, weights)).backward()
+    for h, w in zip(outs, expected):
+        torch.testing.assert_close(h.double(), 2.0 * w.detach(), rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, want):
+        assert rel_err(g.grad, w.grad) <= REL_TOL[torch.float32]
+
+
+def test_plans_are_reused():
+    """A call's grids, constexprs and buffer shapes are computed once per signature."""
+    mhc._plans.clear()
+    args = inputs(6, 4, 8)
+    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
+    mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(6, 4), hc=4, tmax=3)
+    plans = list(mhc._plans.values())
+    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
+    mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(6, 4), hc=4, tmax=3)
+    assert len(plans) == 2 and list(mhc._plans.values()) == plans
+
+
+def test_direct_launch():
+    """Launching the kept compiled kernel directly is what Triton's own launch would do. Compiled Triton is
+    needed for that, so a child process without the interpreter runs _check_direct_launch (below) against a
+    stand-in driver."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stdout + child.stderr
+
+
+def _check_direct_launch():
+    """Triton's driver is replaced by a stand-in: compiling makes a kernel object that records its launches.
+    Each case is called three times: the first goes through Triton's launch and keeps the compiled kernels,
+    the second launches them directly, the third is made to go through Triton's launch again. The second and
+    third must launch the same kernels (same specialization) with the same launcher arguments."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 1234
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    launches = []
+
+    class Compiled:
+        function, packed_metadata = object(), object()
+
+        def launch_metadata(self, *args):
+            return None
+
+        def run(self, *args):
+            launches.append((self, args))
+
+    def compile_stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = self.device_caches[device][0][key] = Compiled()
+        return kernel
+
+    driver.set_active(Driver())
+    JITFunction._do_compile = compile_stand_in
+    assert mhc._FAST_LAUNCH
+
+    def layout(a):
+        if isinstance(a, torch.Tensor):
+            return a.dtype, a.shape, a.stride(), a.data_ptr() % 16
+        return a
+
+    def call(args, grads, hc, fwd_config, bwd_config):
+        launches.clear()
+        outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, config=fwd_config, **OPTIONS)
+        mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, config=bwd_config, **OPTIONS)
+        return [(kernel, a[:6], [layout(v) for v in a[9:]], a[6:9]) for kernel, a in launches]
+
+    misaligned = torch.zeros(2)[1]  # 4 bytes into its buffer
+    cases = [  # (inputs, upstream gradients present, fwd config, bwd config, arguments changed after the first call)
+        (dict(m=5, hc=4, c=8), (True, True, True), None, None, {}),
+        (dict(m=37, hc=2, c=16), (True, True, True), SPLIT_FWD, GROUPED_BWD, {}),
+        (dict(m=9, hc=4, c=8, dtype=torch.bfloat16, x_row_stride=40), (False, True, False), None, None, {}),
+        (dict(m=9, hc=4, c=8, dtype=torch.bfloat16, phi_dtype=torch.float32), (False,) * 3, None, None, {}),
+        # the kept kernels assume an aligned fp32 alpha_pre / b: not these
+        (dict(m=6, hc=8, c=2), (True, True, True), None, None, {3: misaligned}),
+        (dict(m=6, hc=8, c=2), (True, True, True), None, None, {2: torch.zeros(80, dtype=torch.float64)}),
+    ]
+    for shape, present, fwd_config, bwd_config, changed in cases:
+        args = inputs(**shape)
+        grads = upstream(shape["m"], shape["hc"], present)
+        call(args, grads, shape["hc"], fwd_config, bwd_config)
+        args = tuple(changed.get(i, a) for i, a in enumerate(args))
+        direct = call(args, grads, shape["hc"], fwd_config, bwd_config)
+        mhc._FAST_LAUNCH = False
+        through_triton = call(args, grads, shape["hc"], fwd_config, bwd_config)
+        mhc._FAST_LAUNCH = True
+        assert len(direct) == len(through_triton) == (5 if fwd_config else 4), shape
+        for d, t in zip(direct, through_triton):
+            assert d[:3] == t[:3], (shape, d, t)
+            assert (d[3] == (None, None, None)) == (not changed), d[3]  # direct: no launch hooks
+
+
 # ---------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_matches_triton_launch(monkeypatch):
+    """The kept compiled kernels launched directly give what Triton's own launch gives, bit for bit."""
+    args = inputs(4 * 512, 4, 1024, torch.bfloat16)
+    grads = upstream(4 * 512, 4)
+
+    def fwd_bwd():
+        outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=20, **OPTIONS)
+        return (*outs, *mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=20, **OPTIONS))
+
+    fwd_bwd()  # compiles and keeps the kernels
+    direct = fwd_bwd()
+    monkeypatch.setattr(mhc, "_FAST_LAUNCH", False)
+    for name, a, b in zip(("h_pre", "h_post", "h_res", "mix", "rstd", *GRAD_NAMES), direct, fwd_bwd()):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu
@@ -194,3 +347,7 @@ def test_gpu_other_streams(hc):
 def test_gpu_small_batches_split_k(m):
     """Few rows: the forward splits K (two launches)."""
     run(m, 4, 4096, 20, torch.bfloat16)
+
+
+if __name__ == "__main__":
+    _check_direct_launch()

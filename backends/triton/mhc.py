@@ -13,6 +13,8 @@ Backward (three launches):
     3. deterministic reducer: grad_b and the three alpha grads, and grad_phi when the MM
        kernel split M into groups.
 No atomics anywhere: every reduction runs in a fixed order.
+Host side: what a call derives from its signature is planned once per signature, and the compiled kernels
+are launched directly after the first call (_Launch), which keeps the Python cost of a launch near 1 us.
 """
 
 import dataclasses
@@ -21,6 +23,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
@@ -200,11 +204,9 @@ def _fwd_split_epilogue(
 
 @triton.jit
 def _bwd_coeff_kernel(
-    mix_ptr, rstd_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr,
-    gpre_ptr, s_gpre_m, s_gpre_h, gpost_ptr, s_gpost_m, s_gpost_h,
-    gres_ptr, s_gres_m, s_gres_i, s_gres_j,
+    mix_ptr, rstd_ptr, b_ptr, a_pre_ptr, a_post_ptr, a_res_ptr, gpre_ptr, gpost_ptr, gres_ptr,
     gz_ptr, coef_ptr, part_ptr, hist_ptr,
-    M, K, sinkhorn_eps, post_mult,
+    s_gpre_m, s_gpre_h, s_gpost_m, s_gpost_h, s_gres_m, s_gres_i, s_gres_j, M, K, sinkhorn_eps, post_mult,
     HC: tl.constexpr, TMAX: tl.constexpr, BR: tl.constexpr,
     HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_RES: tl.constexpr,
 ):
@@ -362,9 +364,23 @@ def _bwd_reduce_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side. Loop trip counts are constexpr; those that follow M are rounded up to powers of two
-# so a training run with varying M compiles a handful of variants, not one per M.
+# Host side. Everything but the data follows from a call's signature (shapes, strides, dtypes,
+# device, options): a plan computes the grids, constexprs and buffer shapes once per signature, so
+# a call costs its allocations and its launches. Loop trip counts are constexpr; those that follow
+# M are rounded up to powers of two so a run with varying M compiles a handful of kernel variants.
 # ----------------------------------------------------------------------------------------------
+
+_FAST_LAUNCH = not INTERPRETING.value
+_PLAN_LIMIT = 1024  # signatures kept; past that the cache starts over (a run whose M never repeats)
+_F32 = torch.float32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,19 +390,81 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: small enough that tiny test shapes still exercise the splits
 
 
-def _pow2(v: int) -> int:
-    return triton.next_power_of_2(max(1, v))
+def _hooked(hook) -> bool:
+    """A launch hook is installed (Triton keeps them as hook chains, empty unless a profiler is on)."""
+    return hook is not None and bool(getattr(hook, "calls", hook))
 
 
-def _dot_setup(x: torch.Tensor, phi: torch.Tensor):
+def _direct_target(*tensors):
+    """(device, stream) for launching compiled kernels directly, or None when this call must go through
+    Triton's launch: under the interpreter, with a launch hook installed (profilers), or when a pointer is
+    not 16-byte aligned (besides dtypes, the one thing Triton specializes a pointer on). None entries skipped."""
+    if not _FAST_LAUNCH:
+        return None
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    if bits & 15 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return None
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+class _Launch:
+    """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors.
+
+    Triton's launch binds and specializes every argument and looks the compiled kernel up: ~15 us of Python.
+    The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
+    straight to that kernel's launcher. Sound because the owning plan fixes every scalar and dtype, and a
+    direct target means every pointer is aligned: all that Triton specializes on."""
+
+    __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
+
+    def __init__(self, kernel, grid, scalars, *, num_warps, num_stages=3, **constexprs):
+        self.kernel, self.grid, self.scalars = kernel, (*grid, 1, 1)[:3], scalars
+        self.options = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+        # The launcher takes every parameter positionally: tensors, scalars, then the constexprs, which
+        # come last in each kernel's signature here.
+        names = kernel.arg_names[len(kernel.arg_names) - len(constexprs):]
+        assert set(names) == set(constexprs), (kernel.arg_names, constexprs)
+        self.tail = (*scalars, *(constexprs[name] for name in names))
+        self.compiled = {}
+
+    def __call__(self, target, *tensors):
+        if target is not None:
+            compiled = self.compiled.get(target[0])
+            if compiled is not None:
+                run, function, metadata = compiled
+                run(*self.grid, target[1], function, metadata, None, None, None, *tensors, *self.tail)
+                return
+        kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        if target is not None and kernel is not None:
+            self.compiled[target[0]] = (kernel.run, kernel.function, kernel.packed_metadata)
+
+
+_plans: dict[tuple, object] = {}
+
+
+def _plan(make, key, *args):
+    """make(*args), made once per (make, key)."""
+    plan = _plans.get((make, key))
+    if plan is None:
+        if len(_plans) >= _PLAN_LIMIT:
+            _plans.clear()
+        plan = _plans[make, key] = make(*args)
+    return plan
+
+
+def _dot_setup(x_dtype: torch.dtype, phi_dtype: torch.dtype):
     """(dtype of the tl.dot operands, cast-to-fp32 flag, tl.dot input precision).
 
     16-bit inputs of one dtype go to the tensor cores as they are. Anything else is multiplied in fp32 on the
     FMA units ("ieee"): exact fp32 like the reference, and the 3-pass tf32 alternative spills registers."""
-    if x.dtype == phi.dtype and x.dtype in (torch.bfloat16, torch.float16):
+    if x_dtype == phi_dtype and x_dtype in (torch.bfloat16, torch.float16):
         # The interpreter's tl.dot reads bf16 operands as their raw bits: it gets them in fp32.
-        return x.dtype, bool(INTERPRETING) and x.dtype == torch.bfloat16, "tf32"
-    return torch.float32, True, "ieee"
+        return x_dtype, INTERPRETING.value and x_dtype == torch.bfloat16, "tf32"
+    return _F32, True, "ieee"
 
 
 def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
@@ -394,14 +472,14 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
     slice through L2, so that traffic is N / BM of the x traffic. Where even 16-row blocks leave most SMs
     idle, K is split (second, tiny launch)."""
     for bm in (64, 32, 16):
-        if 10 * triton.cdiv(M, bm) >= 9 * n_sms:
+        if 10 * _cdiv(M, bm) >= 9 * n_sms:
             break
     bk = 64 if fp32 else 256 if bm <= 32 else 128
     bk = max(16, min(bk, _pow2(K)))
-    programs = triton.cdiv(M, bm)
+    programs = _cdiv(M, bm)
     split = 1
     if 4 * programs < 3 * n_sms:
-        split = min(_pow2(triton.cdiv(n_sms, programs)), triton.cdiv(K, bk))
+        split = min(_pow2(_cdiv(n_sms, programs)), _cdiv(K, bk))
     warps = 8 if bm == 64 and not fp32 else 4
     return dict(BM=bm, BK=bk, split=split, num_warps=warps, num_stages=3 if fp32 else 4)
 
@@ -416,7 +494,7 @@ def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
         bm, bk, warps = 64, 64, 8 if wide else 4
     bk = max(16, min(bk, _pow2(K)))
     slots = n_sms * (2 if warps == 8 else 4)
-    groups = triton.cdiv(slots, triton.cdiv(K, bk))
+    groups = _cdiv(slots, _cdiv(K, bk))
     return dict(BM=bm, BK=bk, groups=groups, BR=32, num_warps=warps, num_stages=3)
 
 
@@ -425,53 +503,119 @@ def _fwd_tiles(hc: int):
     return max(16, _pow2(2 * hc)), max(16, hc * hc) // hc
 
 
+def _operands(x, phi, b):
+    """x with unit column stride (its row stride may be anything), phi and b contiguous."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not phi.is_contiguous():
+        phi = phi.contiguous()
+    if not b.is_contiguous():
+        b = b.contiguous()
+    return x, phi, b
+
+
+def _signature(x, phi, hc, tmax, scalars):
+    """The arguments of a plan, config aside."""
+    return (*x.shape, x.stride(0), hc, tmax, x.dtype, phi.dtype, x.device, scalars)
+
+
+def _config_key(config):
+    return tuple(sorted(config.items())) if config else None
+
+
+class _FwdPlan:
+    __slots__ = ("shapes", "ws_shape", "main", "epilogue")
+
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config):
+        n = hc * hc + 2 * hc
+        self.shapes = ((M, hc), (M, hc), (M, hc, hc), (M, n), (M,))
+        self.ws_shape = self.main = self.epilogue = None
+        if M == 0:
+            return
+        _, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
+        cfg = fwd_config(M, K, _num_sms(device), cast_f32) | dict(config or ())
+        bm, bk = cfg["BM"], cfg["BK"]
+        k_iters = _cdiv(_cdiv(K, bk), cfg["split"])
+        split = _cdiv(_cdiv(K, bk), k_iters)
+        pp, rr = _fwd_tiles(hc)
+        tiles = dict(HC=hc, PP=pp, RR=rr, TMAX=tmax)
+        self.main = _Launch(
+            _fwd_kernel, (_cdiv(M, bm), split), (M, K, stride_xm, *scalars), **tiles, BM=bm, BK=bk, K_ITERS=k_iters,
+            SPLIT=split, CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if split > 1:
+            self.ws_shape = (split, M, pp + rr * hc + 1)
+            self.epilogue = _Launch(_fwd_split_epilogue, (_cdiv(M, 32),), (M, K, *scalars), **tiles, BM=32,
+                                    SPLIT=split, num_warps=4)
+
+
 @register_backend("mhc_coeff_fwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, *,
     hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
 ):
-    M, K = x.shape
-    n = hc * hc + 2 * hc
+    x, phi, b = _operands(x, phi, b)
+    scalars = (float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
+    signature = _signature(x, phi, hc, tmax, scalars)
+    # the other tensors' dtypes too: the kept compiled kernels are specialized on them
+    dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype)
+    plan = _plan(_FwdPlan, (*signature, dtypes, _config_key(config)), *signature, config)
     dev = x.device
-    h_pre = torch.empty((M, hc), device=dev, dtype=torch.float32)
-    h_post = torch.empty((M, hc), device=dev, dtype=torch.float32)
-    h_res = torch.empty((M, hc, hc), device=dev, dtype=torch.float32)
-    mix = torch.empty((M, n), device=dev, dtype=torch.float32)
-    rstd = torch.empty((M,), device=dev, dtype=torch.float32)
-    outs = (h_pre, h_post, h_res, mix, rstd)
-    if M == 0:
-        return outs
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    phi, b = phi.contiguous(), b.contiguous()
-    _, cast_f32, prec = _dot_setup(x, phi)
-    cfg = fwd_config(M, K, _num_sms(dev), cast_f32) | (config or {})
-    bm, bk = cfg["BM"], cfg["BK"]
-    k_iters = triton.cdiv(triton.cdiv(K, bk), cfg["split"])
-    split = triton.cdiv(triton.cdiv(K, bk), k_iters)
-    pp, rr = _fwd_tiles(hc)
-    ws = torch.empty((split, M, pp + rr * hc + 1), device=dev, dtype=torch.float32) if split > 1 else mix
-    scalars = (rms_eps, pre_eps, sinkhorn_eps, post_mult)
-    _fwd_kernel[(triton.cdiv(M, bm), split)](
-        x, phi, b, alpha_pre, alpha_post, alpha_res, *outs, ws,
-        M, K, x.stride(0), *scalars,
-        HC=hc, PP=pp, RR=rr, TMAX=tmax, BM=bm, BK=bk, K_ITERS=k_iters, SPLIT=split,
-        CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if split > 1:
-        _fwd_split_epilogue[(triton.cdiv(M, 32),)](
-            ws, b, alpha_pre, alpha_post, alpha_res, *outs, M, K, *scalars,
-            HC=hc, PP=pp, RR=rr, TMAX=tmax, BM=32, SPLIT=split, num_warps=4,
-        )
-    return outs
+    pre, post, res, mix, rstd = (torch.empty(*shape, device=dev, dtype=_F32) for shape in plan.shapes)
+    if plan.main is None:
+        return pre, post, res, mix, rstd
+    target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res)
+    params = (b, alpha_pre, alpha_post, alpha_res, pre, post, res, mix, rstd)
+    if plan.epilogue is None:
+        plan.main(target, x, phi, *params, mix)
+    else:
+        ws = torch.empty(*plan.ws_shape, device=dev, dtype=_F32)
+        plan.main(target, x, phi, *params, ws)
+        plan.epilogue(target, ws, *params)
+    return pre, post, res, mix, rstd
 
 
-def _grad_arg(g, dummy, M, *tail):
-    """(pointer, strides, present) for an optional upstream gradient of shape [M, *tail]."""
-    if g is None:
-        return dummy, (0,) * (1 + len(tail)), False
-    g = g.reshape(M, *tail)
-    return g, g.stride(), True
+class _BwdPlan:
+    __slots__ = ("n", "dot_dtype", "part_shape", "hist_shape", "phi_ws_shape", "coeff", "mm", "reduce")
+
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config, grads):
+        """grads: (dtype, strides) of each upstream gradient, None where it is absent."""
+        n = self.n = hc * hc + 2 * hc
+        dot_dtype, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
+        self.dot_dtype = dot_dtype
+        if M == 0:
+            return
+        cfg = bwd_config(M, K, hc, _num_sms(device), cast_f32) | dict(config or ())
+
+        # 1. coefficient producer
+        br = cfg["BR"]
+        n_blocks = _cdiv(M, br)
+        has_pre, has_post, has_res = (g is not None for g in grads)
+        strides = [s for g, ndim in zip(grads, (2, 2, 3)) for s in (g[1] if g else (0,) * ndim)]
+        self.part_shape = (n_blocks, n + 3)
+        self.hist_shape = (M, tmax - 1, hc, hc) if has_res and tmax > 1 else None
+        self.coeff = _Launch(_bwd_coeff_kernel, (n_blocks,), (*strides, M, K, *scalars), HC=hc, TMAX=tmax, BR=br,
+                             HAS_PRE=has_pre, HAS_POST=has_post, HAS_RES=has_res, num_warps=4)
+
+        # 2. fused MM/RMS backward
+        bm, bk = cfg["BM"], cfg["BK"]
+        m_blocks = _cdiv(M, bm)
+        m_iters = _pow2(_cdiv(m_blocks, cfg["groups"]))
+        groups = _cdiv(m_blocks, m_iters)
+        self.phi_ws_shape = (groups, K, n) if groups > 1 else None
+        self.mm = _Launch(_bwd_mm_kernel, (groups, _cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
+                          NP=max(16, _pow2(n)), BM=bm, BK=bk, M_ITERS=m_iters, GROUPED=groups > 1,
+                          CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+        # 3. deterministic reducer: grad_phi over the row groups (if any), grad_b and the alphas
+        rbk, rbb = 2048 // max(16, _pow2(n)), 32
+        reduce_kblocks = _cdiv(K, rbk) if groups > 1 else 0
+        self.reduce = _Launch(_bwd_reduce_kernel, (reduce_kblocks + 1,), (K, groups, n_blocks, reduce_kblocks),
+                              HC=hc, NP=_pow2(n), BK=rbk, G_ITERS=_pow2(groups), BB=rbb,
+                              B_ITERS=_pow2(_cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
+
+
+def _grad_key(g):
+    return None if g is None else (g.dtype, g.stride())
 
 
 @register_backend("mhc_coeff_bwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
@@ -479,60 +623,36 @@ def mhc_coeff_bwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
     hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
 ):
+    x, phi, b = _operands(x, phi, b)
+    if not mix.is_contiguous():
+        mix = mix.contiguous()
+    if not rstd.is_contiguous():
+        rstd = rstd.contiguous()
+    scalars = (float(sinkhorn_eps), float(post_mult))
+    signature = _signature(x, phi, hc, tmax, scalars)
+    grads = (_grad_key(grad_h_pre), _grad_key(grad_h_post), _grad_key(grad_h_res))
+    dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype, mix.dtype, rstd.dtype)
+    plan = _plan(_BwdPlan, (*signature, grads, dtypes, _config_key(config)), *signature, config, grads)
     M, K = x.shape
-    n = hc * hc + 2 * hc
-    dev = x.device
-    grad_x = torch.empty((M, K), device=dev, dtype=x.dtype)
-    grad_phi = torch.empty((K, n), device=dev, dtype=phi.dtype)
-    grad_b_alpha = torch.empty((n + 3,), device=dev, dtype=torch.float32)
-    results = (grad_x, grad_phi, grad_b_alpha[:n], *grad_b_alpha[n:].unbind())
+    n, dev = plan.n, x.device
+    grad_x = torch.empty(M, K, device=dev, dtype=x.dtype)
+    grad_phi = torch.empty(K, n, device=dev, dtype=phi.dtype)
+    grad_b_alpha = torch.empty(n + 3, device=dev, dtype=_F32)
+    results = (grad_x, grad_phi, grad_b_alpha[:n], grad_b_alpha[n], grad_b_alpha[n + 1], grad_b_alpha[n + 2])
     if M == 0:
         grad_phi.zero_()
         grad_b_alpha.zero_()
         return results
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    phi, b, mix, rstd = phi.contiguous(), b.contiguous(), mix.contiguous(), rstd.contiguous()
-    dot_dtype, cast_f32, prec = _dot_setup(x, phi)
-    cfg = bwd_config(M, K, hc, _num_sms(dev), cast_f32) | (config or {})
-
-    # 1. coefficient producer
-    br = cfg["BR"]
-    n_blocks = triton.cdiv(M, br)
-    gz = torch.empty((M, n), device=dev, dtype=dot_dtype)
-    coef = torch.empty((M,), device=dev, dtype=torch.float32)
-    part = torch.empty((n_blocks, n + 3), device=dev, dtype=torch.float32)
-    g_pre, s_pre, has_pre = _grad_arg(grad_h_pre, mix, M, hc)
-    g_post, s_post, has_post = _grad_arg(grad_h_post, mix, M, hc)
-    g_res, s_res, has_res = _grad_arg(grad_h_res, mix, M, hc, hc)
-    keep_hist = has_res and tmax > 1
-    hist = torch.empty((M, tmax - 1, hc, hc), device=dev, dtype=torch.float32) if keep_hist else mix
-    _bwd_coeff_kernel[(n_blocks,)](
-        mix, rstd, b, alpha_pre, alpha_post, alpha_res,
-        g_pre, *s_pre, g_post, *s_post, g_res, *s_res,
-        gz, coef, part, hist, M, K, sinkhorn_eps, post_mult,
-        HC=hc, TMAX=tmax, BR=br, HAS_PRE=has_pre, HAS_POST=has_post, HAS_RES=has_res, num_warps=4,
-    )
-
-    # 2. fused MM/RMS backward
-    bm, bk = cfg["BM"], cfg["BK"]
-    m_blocks = triton.cdiv(M, bm)
-    m_iters = _pow2(triton.cdiv(m_blocks, cfg["groups"]))
-    groups = triton.cdiv(m_blocks, m_iters)
-    phi_ws = torch.empty((groups, K, n), device=dev, dtype=torch.float32) if groups > 1 else grad_phi
-    _bwd_mm_kernel[(groups, triton.cdiv(K, bk))](
-        x, phi, gz, coef, grad_x, phi_ws,
-        M, K, x.stride(0), grad_x.stride(0),
-        HC=hc, NP=max(16, _pow2(n)), BM=bm, BK=bk, M_ITERS=m_iters, GROUPED=groups > 1,
-        CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-
-    # 3. deterministic reducer: grad_phi over the row groups (if any), grad_b and the alphas
-    rbk, rbb = 2048 // max(16, _pow2(n)), 32
-    reduce_kblocks = triton.cdiv(K, rbk) if groups > 1 else 0
-    _bwd_reduce_kernel[(reduce_kblocks + 1,)](
-        phi_ws, grad_phi, part, grad_b_alpha, K, groups, n_blocks, reduce_kblocks,
-        HC=hc, NP=_pow2(n), BK=rbk, G_ITERS=_pow2(groups), BB=rbb,
-        B_ITERS=_pow2(triton.cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4,
-    )
+    target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post,
+                            grad_h_res)
+    gz = torch.empty(M, n, device=dev, dtype=plan.dot_dtype)
+    coef = torch.empty(M, device=dev, dtype=_F32)
+    part = torch.empty(*plan.part_shape, device=dev, dtype=_F32)
+    hist = mix if plan.hist_shape is None else torch.empty(*plan.hist_shape, device=dev, dtype=_F32)
+    phi_ws = grad_phi if plan.phi_ws_shape is None else torch.empty(*plan.phi_ws_shape, device=dev, dtype=_F32)
+    plan.coeff(target, mix, rstd, b, alpha_pre, alpha_post, alpha_res,
+               mix if grad_h_pre is None else grad_h_pre, mix if grad_h_post is None else grad_h_post,
+               mix if grad_h_res is None else grad_h_res, gz, coef, part, hist)
+    plan.mm(target, x, phi, gz, coef, grad_x, phi_ws)
+    plan.reduce(target, phi_ws, grad_phi, part, grad_b_alpha)
     return results
