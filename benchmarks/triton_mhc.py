@@ -4,20 +4,35 @@
     python benchmarks/triton_mhc.py --sweep     # also time launch-configuration variants of fwd and bwd
     python benchmarks/triton_mhc.py --shapes 4x512x4x1024 --dtype float16
 
-Rows (median ms, triton.testing.do_bench, L2 flushed before each repetition):
+Inputs are what a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model
+dtype (bf16 parameters, or bf16 copies of fp32 masters), b and the alphas fp32.
+
+Rows (CUDA graphs off):
   fwd            mhc_coeff_fwd                     (kernel level)
   bwd            mhc_coeff_bwd from the saved mix / rstd
   fwd+bwd        the two back to back
-  mhc_coeffs     the user-level op through dispatch and autograd (forward + backward)
-"launches" counts the CUDA kernels (and memsets) one call issues, from torch.profiler; "gpu us" sums their
-durations, so time - gpu us is host overhead the GPU waited for. "floor" is the bytes every implementation
-must move (x read once forward; x read and grad_x written backward; the small tensors) at the copy bandwidth
-measured in the same run. Each shape is first checked against the float64 formulas; a mismatch exits 1.
+  mhc_coeffs fwd the user-level op through dispatch and autograd, forward only (the graph is built and freed)
+  mhc_coeffs     the user-level op through dispatch and autograd, forward + torch.autograd.backward
+  autograd floor mhc_coeffs' autograd composition called directly around stand-ins for the kernel ops that only
+                 allocate their outputs: what PyTorch's autograd and the allocations cost, whatever the kernels
+Columns:
+  time us   median wall time of one call (triton.testing.do_bench, L2 flushed before each repetition): what
+            the GPU stream spends on the call, idle gaps waiting for the host included
+  gpu us    summed durations of the CUDA kernels one call issues (torch.profiler), "launches" their count
+  host us   CPU time to issue one call (median, the stream idle at the start): when above gpu us the call is
+            host-bound and time us follows it. For mhc_coeffs it includes torch.autograd.backward's Python
+            checks of the three upstream gradients, which a training step pays once, not per op.
+  floor us  the bytes every implementation must move (x read once forward; x read and grad_x written
+            backward; the small tensors) at the copy bandwidth measured in the same run
+Each shape is first checked against the float64 formulas (the second of two calls, which launches the kept
+compiled kernels directly); a mismatch exits 1.
 """
 
 import argparse
 import itertools
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,6 +41,7 @@ from triton.testing import do_bench
 from liger_dispatch import dispatch
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix
 from liger_dispatch.backends.triton import mhc
+from liger_dispatch.mhc import compose_mhc
 
 TMAX = 20
 OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0)
@@ -63,8 +79,9 @@ def check(x2, phi, bias, alphas, upstream, hc, dtype):
     """Forward outputs and the six gradients against float64 autograd of the formulas."""
     m = x2.shape[0]
     ups = [u.reshape(m, *u.shape[2:]) for u in upstream]
-    outs = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
-    grads = mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, outs[3], outs[4], *ups, hc=hc, **OPTIONS)
+    for _ in range(2):  # the first call compiles and goes through Triton's launch, the second launches directly
+        outs = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
+        grads = mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, outs[3], outs[4], *ups, hc=hc, **OPTIONS)
     leaves = [t.detach().double().requires_grad_() for t in (x2, phi, bias, *alphas)]
     mix, rstd = mhc_mix(leaves[0], leaves[1], rms_eps=OPTIONS["rms_eps"])
     coeffs = mhc_coeffs_from_mix(mix, *leaves[2:], hc=hc, tmax=TMAX, pre_eps=OPTIONS["pre_eps"],
@@ -86,15 +103,49 @@ def copy_bandwidth():
     return 2 * buf.numel() / (ms * 1e-3) / 1e12
 
 
-def launches(fn):
-    """(number of CUDA kernels and memsets, their summed duration in us) of one call."""
+def clear_grads(leaves):
+    for t in leaves:
+        t.grad = None
+
+
+def launches(fn, leaves):
+    """(number of CUDA kernels and memsets, their summed duration in us) of one call. The gradients are
+    cleared first, as do_bench does: otherwise autograd would add each new gradient into the old one."""
     fn()
+    clear_grads(leaves)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    clear_grads(leaves)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(kernels), sum(e.time_range.elapsed_us() for e in kernels)
+
+
+def host_us(fn, leaves, calls=200):
+    """Median CPU time to issue one call, the stream idle when it starts (so no launch waits for room)."""
+    times = []
+    for _ in range(calls):
+        clear_grads(leaves)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    clear_grads(leaves)
+    return statistics.median(times) * 1e6
+
+
+def allocating_stand_ins():
+    """mhc_coeff_fwd / mhc_coeff_bwd stand-ins that allocate their outputs and launch nothing."""
+    def fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, **options):
+        m, n = x.shape[0], hc * hc + 2 * hc
+        return tuple(torch.empty(*s, device=x.device) for s in ((m, hc), (m, hc), (m, hc, hc), (m, n), (m,)))
+
+    def bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *saved_and_grads, hc, **options):
+        return tuple(torch.empty_like(t) for t in (x, phi, b, alpha_pre, alpha_post, alpha_res))
+
+    return fwd, bwd
 
 
 def floor_bytes(m, k, hc, x_bytes):
@@ -134,12 +185,15 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--sweep", action="store_true")
     args = p.parse_args()
+    started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     tbps = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {tbps:.2f} TB/s  {args.dtype}  tmax={TMAX}")
-    header = f"  {'':10} {'time us':>9} {'launches':>8} {'gpu us':>8} {'floor us':>9} {'time/floor':>10}"
+    header = (f"  {'':14} {'time us':>9} {'gpu us':>8} {'host us':>8} {'launches':>8} {'floor us':>9} "
+              f"{'time/floor':>10}")
     ok = True
     user_op = dispatch.op("mhc_coeffs", backend="triton")
+    floor_op = compose_mhc(*allocating_stand_ins())
     for b, t, hc, c in args.shapes:
         x, phi, bias, alphas, upstream = make_inputs(b, t, hc, c, dtype)
         m, k = b * t, hc * c
@@ -166,20 +220,29 @@ def main():
 
         leaves = [t_.detach().requires_grad_() for t_ in (x, phi, bias, *alphas)]
 
+        def user_fwd():
+            return user_op(*leaves, **OPTIONS)
+
         def user():
             torch.autograd.backward(user_op(*leaves, **OPTIONS), upstream)
+
+        def autograd_floor():
+            torch.autograd.backward(floor_op(*leaves, **OPTIONS), upstream)
 
         print(header)
         total = fwd_bytes + bwd_bytes
         for name, fn, floor in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes), ("fwd+bwd", fwd_bwd, total),
-                                ("mhc_coeffs", user, total)):
-            us = do_bench(fn, grad_to_none=leaves) * 1e3
-            n_launch, gpu_us = launches(fn)
+                                ("mhc_coeffs fwd", user_fwd, fwd_bytes), ("mhc_coeffs", user, total),
+                                ("autograd floor", autograd_floor, total)):
+            us = do_bench(fn, grad_to_none=leaves, return_mode="median") * 1e3
+            n_launch, gpu_us = launches(fn, leaves)
             floor_us = floor / (tbps * 1e12) * 1e6
-            print(f"  {name:10} {us:9.1f} {n_launch:8d} {gpu_us:8.1f} {floor_us:9.1f} {us / floor_us:10.2f}")
+            print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us(fn, leaves):8.1f} {n_launch:8d} {floor_us:9.1f} "
+                  f"{us / floor_us:10.2f}")
         if args.sweep:
             sweep("fwd", FWD_SWEEP, fwd, fwd())
             sweep("bwd", BWD_SWEEP, bwd, bwd())
+    print(f"\n{time.perf_counter() - started:.0f} s")
     sys.exit(0 if ok else 1)
 
 

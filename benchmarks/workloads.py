@@ -126,6 +126,7 @@ def _kl(case, device, gen):
 
 
 def _mhc(case, device, gen):
+    """What a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model dtype."""
     b, t, hc, c = (case.dim(k) for k in ("B", "T", "HC", "C"))
     k, m = hc * c, hc * hc + 2 * hc
     x = _randn((b, t, hc, c), case.dtype, device, gen)
