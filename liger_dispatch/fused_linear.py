@@ -21,12 +21,17 @@ import torch
 DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
 # fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
-# (6e-5) and lose their digits; the kernels write them times this power of two, undone after the GEMMs.
-FP16_GRAD_BOOST = 1024.0
+# (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
+# (|d loss_i / d logit| <= ~2, so the buffer stays far from fp16's 65504), and the GEMM outputs are scaled back.
+FP16_GRAD_PEAK = 4096.0
 
 
-def grad_boost(dtype: torch.dtype) -> float:
-    return FP16_GRAD_BOOST if dtype == torch.float16 else 1.0
+def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
+    if dtype != torch.float16:
+        return grad_scale, None
+    peak = grad_scale.abs().amax().clamp_min(1e-30)
+    return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
@@ -65,10 +70,10 @@ class _WeightGrad:
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
 
-    def result(self, unscale: float = 1.0) -> Optional[torch.Tensor]:
+    def result(self, unscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         if self.value is None:
             return None
-        return (self.value * unscale if unscale != 1.0 else self.value).to(self.out_dtype)
+        return (self.value if unscale is None else self.value * unscale).to(self.out_dtype)
 
 
 def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -78,16 +83,16 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               chunk_loss: Callable[[torch.Tensor, int, int], torch.Tensor], *, extra_buffers: int = 0,
+def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
+               chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *, extra_buffers: int = 0,
                extra_itemsize: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
                accum_dtype: Optional[torch.dtype] = None):
-    """Runs the chunk loop. `chunk_loss(logits, start, end)` overwrites logits with its gradient and
-    returns the per-row loss; fp16 buffers hold the gradient times grad_boost(fp16), undone here.
+    """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
+    gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
-    unscale = 1.0 / grad_boost(x.dtype)
-    if unscale != 1.0:
+    kernel_scale, unscale = split_scale(grad_scale, x.dtype)
+    if unscale is not None:
         accum_dtype = torch.float32
     rows = chunk_rows(n, vocab, x.element_size() + extra_buffers * extra_itemsize)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
@@ -100,7 +105,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         logits = buffer[: end - start]
         x_c = x[start:end]
         _linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end))
+        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
         if dx is not None:
             torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:
@@ -108,7 +113,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
     loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
-    if unscale != 1.0:
+    if unscale is not None:
         for grad in (dx, db):
             if grad is not None:
                 grad.mul_(unscale)
@@ -165,13 +170,12 @@ def compose_flce(kernel: Callable) -> Callable:
             return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         scale = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
-        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
-            def chunk_loss(logits, start, end):
-                return kernel(logits, labels[start:end], grad_scale=kernel_scale, **options)
+            def chunk_loss(logits, start, end, chunk_scale):
+                return kernel(logits, labels[start:end], grad_scale=chunk_scale, **options)
 
-            rows, dx, dw, db = run_chunks(x, weight, bias, chunk_loss, want_dx=want_dx, want_dw=want_dw,
+            rows, dx, dw, db = run_chunks(x, weight, bias, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
                                           want_db=want_db, accum_dtype=accum_dtype)
             loss = rows.sum() * scale
             return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
@@ -187,8 +191,8 @@ class _FlceNoReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
         ones = torch.ones((), device=x.device)
-        rows, _, _, _ = run_chunks(x, weight, bias, lambda logits, s, e: kernel(logits, labels[s:e], grad_scale=ones,
-                                                                                **options),
+        rows, _, _, _ = run_chunks(x, weight, bias, ones,
+                                   lambda logits, s, e, scale: kernel(logits, labels[s:e], grad_scale=scale, **options),
                                    want_dx=False, want_dw=False, want_db=False)
         ctx.save_for_backward(x, weight, bias, labels)
         ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
@@ -197,10 +201,11 @@ class _FlceNoReduction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_rows):
         x, weight, bias, labels = ctx.saved_tensors
-        scale = grad_rows.reshape(-1).to(torch.float32) * grad_boost(x.dtype)
+        scale = grad_rows.reshape(-1).to(torch.float32)
         want = ctx.needs_input_grad
         _, dx, dw, db = run_chunks(
-            x, weight, bias, lambda logits, s, e: ctx.kernel(logits, labels[s:e], grad_scale=scale[s:e], **ctx.options),
+            x, weight, bias, scale,
+            lambda logits, s, e, chunk_scale: ctx.kernel(logits, labels[s:e], grad_scale=chunk_scale, **ctx.options),
             want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
         return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
 
@@ -218,20 +223,19 @@ def compose_jsd(kernel: Callable) -> Callable:
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
         scale = factor / count
-        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
             rows = chunk_rows(x.shape[0], student_weight.shape[0], x.element_size() + xt.element_size())
             teacher = torch.empty(min(rows, x.shape[0]), wt.shape[0], dtype=xt.dtype, device=xt.device)
 
-            def chunk_loss(logits, start, end):
+            def chunk_loss(logits, start, end, chunk_scale):
                 t_logits = teacher[: end - start]
                 torch.mm(xt[start:end], wt.t(), out=t_logits)
                 chunk_labels = None if labels is None else labels[start:end]
                 return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
-                              temperature=temperature, grad_scale=kernel_scale)
+                              temperature=temperature, grad_scale=chunk_scale)
 
-            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, extra_buffers=1,
+            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, extra_buffers=1,
                                               extra_itemsize=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
                                               want_db=False, accum_dtype=accum_dtype)
             return loss_rows.sum() * scale, dx, dw, None
@@ -257,15 +261,14 @@ def compose_kl_div(kernel: Callable) -> Callable:
         else:
             count = _valid_count(labels, x.shape[0], ignore_index, x.device)
             scale = 1.0 / (count * vocab if reduction == "mean" else count)
-        kernel_scale = scale * grad_boost(x.dtype)
 
         def run(want_dx, want_dw, want_db):
-            def chunk_loss(logits, start, end):
+            def chunk_loss(logits, start, end, chunk_scale):
                 chunk_labels = None if labels is None else labels[start:end]
                 return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index,
-                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=kernel_scale)
+                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
-            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, chunk_loss, want_dx=want_dx, want_dw=want_dw,
+            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
                                               want_db=False, accum_dtype=accum_dtype)
             return loss_rows.sum() * scale, dx, dw, None
 

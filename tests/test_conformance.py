@@ -19,8 +19,10 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 # The interpreter is slow: on the CPU every option runs in fp32 and the low-precision dtypes get the
 # smoke cases; on the GPU every case runs in every dtype.
 DTYPES = (torch.float32, *LOW_PRECISION) if ON_GPU else (torch.float32,)
-# fp32 is compared with a float64 oracle; tf32 matrix units land near 3e-4
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# compared with a float64 oracle on the same inputs; tf32 matrix units land near 3e-4
+# in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model); JSD and KL
+# gradients amplify that rounding
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 
 
@@ -55,7 +57,9 @@ def assert_close(name, got, want, dtype):
     assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
     err = rel_err(got, want)
-    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+    representable = rel_err(want.to(got.dtype), want)  # a gradient of ~1e-6 has few digits left in fp16
+    limit = TOLERANCE[dtype] + representable
+    assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
 
 
 def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
@@ -66,8 +70,8 @@ def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7
     """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same
     upstream gradient through both, and compares outputs and the gradients of `grad_names`."""
     mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    oracle = torch.float64 if dtype == torch.float32 else None  # low precision: same rounding points as ours
-    theirs = {k: leaf(v.to(oracle) if oracle and v.is_floating_point() else v, k in grad_names)
+    oracle = torch.float64  # the truth from the same (already rounded) inputs
+    theirs = {k: leaf(v.to(oracle) if v.is_floating_point() else v, k in grad_names)
               if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     got = dispatch.op(op, backend=backend)(*mine.values(), **kwargs)
     want = getattr(formulas, op)(*theirs.values(), **kwargs)
@@ -81,7 +85,7 @@ def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7
     total_got.backward()
     total_want.backward()
     for name in grad_names:
-        assert_close(f"{op} grad of {name}", mine[name].grad, theirs[name].grad.to(mine[name].grad.dtype), dtype)
+        assert_close(f"{op} grad of {name}", mine[name].grad, theirs[name].grad, dtype)
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
@@ -253,3 +257,22 @@ def test_low_precision_smoke(op, backend, dtype):
         run_and_compare(op, backend, dtype, inputs, {}, ("student_input", "student_weight"))
     else:
         test_mhc_coeffs(op, backend, dtype, MHC_SHAPES[0], 3)
+
+
+@pytest.mark.parametrize("op", ["fused_linear_kl_div", "fused_linear_jsd", "flce"])
+def test_fp16_gradients_keep_their_digits(op):
+    """fp16 chunk buffers: a mean over many rows and a wide vocabulary makes every per-logit gradient smaller
+    than fp16's smallest normal; the driver scales them into range and back (reference kernels, float64 truth)."""
+    n, h, vocab, dtype = 96, 32, 2053, torch.float16
+    x, w = randn(n, h, dtype=dtype), randn(vocab, h, dtype=dtype, scale=h ** -0.5)
+    if op == "flce":
+        inputs, kwargs = dict(input=x, weight=w, target=labels(n, vocab)), {}
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(n, h, dtype=dtype),
+                      teacher_weight=randn(vocab, h, dtype=dtype, scale=h ** -0.5))
+        kwargs = dict(jsd_beta=0.5)
+    else:
+        inputs = dict(student_input=x, student_weight=w, target=kl_target(n, vocab, torch.float32, False, False))
+        kwargs = dict(reduction="batchmean")
+    grads = ("input", "weight") if op == "flce" else ("student_input", "student_weight")
+    run_and_compare(op, "reference", dtype, inputs, kwargs, grads)
