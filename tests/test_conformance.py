@@ -57,8 +57,10 @@ def assert_close(name, got, want, dtype):
     assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
     err = rel_err(got, want)
-    representable = rel_err(want.to(got.dtype), want)  # a gradient of ~1e-6 has few digits left in fp16
-    limit = TOLERANCE[dtype] + representable
+    # a gradient of ~1e-9 (fp16 KL with reduction="mean") is barely representable in its own dtype: allow
+    # twice the truth's own rounding error on top, since ours may round to the other neighbour
+    representable = rel_err(want.to(got.dtype), want)
+    limit = TOLERANCE[dtype] + 2 * representable
     assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
 
 
