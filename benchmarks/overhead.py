@@ -39,7 +39,7 @@ def per_call_ns(fn: Callable, args: tuple, device: torch.device) -> timing.Timin
 
 def measure(device: torch.device) -> list[tuple[str, Outcome]]:
     import liger_dispatch as ld
-    from liger_dispatch import dispatch
+    from liger_dispatch import dispatch, selection
 
     result = torch.ones((), device=device)
 
@@ -56,12 +56,18 @@ def measure(device: torch.device) -> list[tuple[str, Outcome]]:
     handle(*args)  # resolves and memoizes the selection
     bare = per_call_ns(noop, args, device)
     through = per_call_ns(handle, args, device)
-    extra = through.ms - bare.ms
-    verdict = "meets" if extra <= GOAL_NS else "misses"
-    note = (f"{through.ms:.0f} ns per call = the bare call + {extra:.0f} ns ({through.ms / bare.ms:.1f}x); "
-            f"{verdict} the goal of <= {GOAL_NS} ns overhead")
+    selected = per_call_ns(lambda *a: selection.select(handle.name, handle.pinned, a, {}).fn(*a), args, device)
+
+    def note(t: timing.Timing, what: str) -> str:
+        extra = t.ms - bare.ms
+        verdict = "meets" if extra <= GOAL_NS else "misses"
+        return (f"{t.ms:.0f} ns per call = the bare call + {extra:.0f} ns ({t.ms / bare.ms:.1f}x) for {what}; "
+                f"{verdict} the goal of <= {GOAL_NS} ns overhead")
+
     return [("bare call", Outcome(OK, _in_ms(bare), notes=["the noop function called directly"])),
-            ("dispatch.op handle", Outcome(OK, _in_ms(through), notes=[note]))]
+            ("memoized selection", Outcome(OK, _in_ms(selected), notes=[note(selected, "the memoized selection")])),
+            ("dispatch.op handle", Outcome(OK, _in_ms(through), notes=[
+                note(through, "selection plus flce's input checks (the target range check is 3 launches and 1 sync)")]))]
 
 
 def _in_ms(t: timing.Timing) -> timing.Timing:
