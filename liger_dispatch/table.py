@@ -26,6 +26,8 @@ class OpSpec:
         bad argument. Its signature is the op's signature.
     composed_of / compose: for user-level ops built from kernel-level ops; every backend that
         implements all of `composed_of` serves this op through `compose(*kernel_fns)`.
+    probe: maps a call of this op to the kernel-level call it will make (shapes and dtypes, with meta
+        tensors standing for buffers not made yet), so the kernel's capability predicate judges it.
     """
 
     name: str
@@ -34,6 +36,7 @@ class OpSpec:
     aliases: tuple[str, ...] = ()
     composed_of: tuple[str, ...] = ()
     compose: Optional[Callable[..., Callable]] = field(default=None, compare=False)
+    probe: Optional[Callable[..., tuple[tuple, dict]]] = field(default=None, compare=False)
     summary: str = ""
 
 
@@ -191,11 +194,24 @@ class OpTable:
         if impl is None:
             first = parts[0]
             capability = Capability(first.capability.devices, first.capability.min_cc, first.capability.max_cc,
-                                    first.capability.dtypes, first.capability.modules)
+                                    first.capability.dtypes, first.capability.modules,
+                                    _probed(first.capability.predicate, spec.probe))
             impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl
+
+
+def _probed(predicate: Optional[Callable], probe: Optional[Callable]) -> Optional[Callable]:
+    """A kernel-level capability predicate, asked about the kernel call a user-level call will make."""
+    if predicate is None or probe is None:
+        return None
+
+    def judge(*args, **kwargs):
+        kernel_args, kernel_kwargs = probe(*args, **kwargs)
+        return predicate(*kernel_args, **kernel_kwargs)
+
+    return judge
 
 
 TABLE = OpTable()

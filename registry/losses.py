@@ -132,6 +132,35 @@ def check_kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_in
     _labels("labels", labels, n, vocab, ignore_index, class_values=False)
 
 
+def _meta_logits(input, weight, dtype=None):
+    return torch.empty(input.shape[:-1].numel(), weight.shape[0], dtype=dtype or input.dtype, device="meta")
+
+
+def _flat_labels(labels):
+    return None if labels is None else labels.reshape(-1)
+
+
+def probe_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+               softcap=None, lse_square_scale=0.0, accum_dtype=None):
+    return ((_meta_logits(input, weight), target.reshape(-1)),
+            dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                 lse_square_scale=lse_square_scale))
+
+
+def probe_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
+                           jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
+                           accum_dtype=None):
+    return ((_meta_logits(student_input, student_weight), _meta_logits(teacher_input, teacher_weight),
+             _flat_labels(shift_labels)), dict(beta=jsd_beta, ignore_index=ignore_index, temperature=temperature))
+
+
+def probe_fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
+                              ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
+    return ((_meta_logits(student_input, student_weight), target.reshape(-1, target.shape[-1]),
+             _flat_labels(shift_labels)),
+            dict(ignore_index=ignore_index, temperature=temperature, eps=eps, log_target=log_target))
+
+
 def declare() -> None:
     TABLE.declare_op(OpSpec("ce_loss_and_grad", "kernel", check_ce_loss_and_grad,
                             summary="per-row cross-entropy of a logits chunk; gradient written into the logits"))
@@ -140,11 +169,13 @@ def declare() -> None:
     TABLE.declare_op(OpSpec("kl_div_loss_and_grad", "kernel", check_kl_div_loss_and_grad,
                             summary="per-row KL(target || student); gradient written into the student logits"))
     TABLE.declare_op(OpSpec("flce", "user", check_flce, aliases=("fused_linear_cross_entropy",),
-                            composed_of=("ce_loss_and_grad",), compose=fused_linear.compose_flce,
+                            composed_of=("ce_loss_and_grad",), compose=fused_linear.compose_flce, probe=probe_flce,
                             summary="fused linear + cross-entropy (label smoothing, softcap, z-loss)"))
     TABLE.declare_op(OpSpec("fused_linear_jsd", "user", check_fused_linear_jsd,
                             composed_of=("jsd_loss_and_grad",), compose=fused_linear.compose_jsd,
+                            probe=probe_fused_linear_jsd,
                             summary="fused linear generalized JSD for distillation"))
     TABLE.declare_op(OpSpec("fused_linear_kl_div", "user", check_fused_linear_kl_div,
                             composed_of=("kl_div_loss_and_grad",), compose=fused_linear.compose_kl_div,
+                            probe=probe_fused_linear_kl_div,
                             summary="fused linear KL divergence against explicit target probabilities"))

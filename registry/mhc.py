@@ -116,10 +116,19 @@ def check_mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, 
             raise InputError(f"{name} must have shape {expected[name]}, got {tuple(value.shape)}")
 
 
+def probe_mhc_coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
+                     sinkhorn_eps=1e-6, post_mult=2.0):
+    hc, channels = x.shape[-2], x.shape[-1]
+    rows = torch.empty(x.shape[:-2].numel(), hc * channels, dtype=x.dtype, device="meta")
+    return ((rows, phi, b, alpha_pre, alpha_post, alpha_res),
+            dict(hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult))
+
+
 def declare() -> None:
     TABLE.declare_op(OpSpec("mhc_coeff_fwd", "kernel", check_mhc_coeff_fwd,
                             summary="mHC coefficients forward: x @ phi, RMS scaling, sigmoids, Sinkhorn"))
     TABLE.declare_op(OpSpec("mhc_coeff_bwd", "kernel", check_mhc_coeff_bwd,
                             summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"))
     TABLE.declare_op(OpSpec("mhc_coeffs", "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"),
-                            compose=compose_mhc, summary="mHC pre/post/residual coefficients, with autograd"))
+                            compose=compose_mhc, probe=probe_mhc_coeffs,
+                            summary="mHC pre/post/residual coefficients, with autograd"))

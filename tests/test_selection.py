@@ -193,3 +193,17 @@ def test_available_and_registered_backends():
     assert set(ld.registered_backends("fused_linear_cross_entropy")) >= {"reference", "triton", "cutedsl", "helion"}
     usable = ld.available_backends("flce", device="cpu", dtype=torch.float32)
     assert usable[-1] == "reference" and "cutedsl" not in usable
+
+
+def test_kernel_predicate_judges_the_composed_user_op(isolated_table, monkeypatch):
+    """A kernel-level shape limit applies to the user-level op composed of it (through the op's probe)."""
+    from liger_dispatch.backends.reference.ce import ce_loss_and_grad
+
+    narrow = ld.Capability(devices=("cpu",), predicate=lambda logits, target, **kw:
+                           f"V = {logits.shape[1]} > 16" if logits.shape[1] > 16 else None)
+    ld.register_backend("ce_loss_and_grad", backend="narrow", priority=1, capability=narrow)(ce_loss_and_grad)
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    handle = dispatch.op("flce")
+    assert handle.select(x, torch.randn(10, 8), y).backend == "narrow"
+    assert handle.select(x, torch.randn(40, 8), y).backend != "narrow"
+    assert "V = 40 > 16" in str(handle.explain(x, torch.randn(40, 8), y))
