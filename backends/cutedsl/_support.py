@@ -143,12 +143,6 @@ def per_row(t):
     return None if t is None else t.contiguous()
 
 
-def check_rows(name, x):
-    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{name} must be 2-D with a contiguous last dim, "
-                         f"got shape {tuple(x.shape)} strides {x.stride()}")
-
-
 def cache(fn):
     """Compile cache: one compiled kernel per distinct hashable key, for the life of the process."""
     return functools.lru_cache(maxsize=None)(fn)

@@ -5,17 +5,16 @@ evict-last L2 hint so that pass 2, which streams it again and writes grad_scale 
 place, can find it in L2.
 """
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from . import _row
 from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
-from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
+from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
 TUNING = Tuning(threads=256, unroll=4)
@@ -140,9 +139,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
 
     tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
     """
-    check_rows("logits", logits)
-    C, V = logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    loss, C, V = row_losses(logits=logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)

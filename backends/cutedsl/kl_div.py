@@ -5,17 +5,16 @@ Q = sum q: none of A, B, Q needs lse, so pass 1 gathers them beside the softmax 
 dL/ds_j = softmax_j * Q - q_j (times 1/T and grad_scale) over the student logits.
 """
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from . import _row
 from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
-from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, check_rows, compile_kernel, per_row,
+from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
 TUNING = Tuning(threads=256, unroll=2)
@@ -139,10 +138,7 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
 
     tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
     """
-    check_rows("student_logits", student_logits)
-    check_rows("target", target)
-    C, V = student_logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    loss, C, V = row_losses(student_logits=student_logits, target=target)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)

@@ -197,12 +197,6 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((span,), (1,))
 
 
-def check_rows(name: str, x: torch.Tensor) -> None:
-    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
-
-
 # ---------------------------------------------------------------- Triton interpreter
 
 

@@ -13,8 +13,9 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, flat_rows, load_f32, log2,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
     needs_int64, online_step, row_scale,
 )
 
@@ -96,9 +97,7 @@ KERNEL = Kernel(_ce, "ce_loss_and_grad", default_config)
 def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
                      lse_square_scale=0.0):
     """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
-    check_rows("logits", logits)
-    C, V = logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    loss, C, V = row_losses(logits=logits)
     if C == 0:
         return loss
     KERNEL(

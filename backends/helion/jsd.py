@@ -14,8 +14,9 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, load_f32, log2, needs_int64,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
     online_step, row_scale,
 )
 
@@ -170,10 +171,7 @@ MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
 def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
                       grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
-    check_rows("student_logits", student_logits)
-    check_rows("teacher_logits", teacher_logits)
-    C, V = student_logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    loss, C, V = row_losses(student_logits=student_logits, teacher_logits=teacher_logits)
     if C == 0:
         return loss
     args = (student_logits, teacher_logits, labels, row_scale(grad_scale, C, student_logits), loss,

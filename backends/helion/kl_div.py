@@ -13,8 +13,9 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, check_rows, exp2, load_f32, log2, needs_int64,
+    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
     online_step, row_scale,
 )
 
@@ -79,10 +80,7 @@ KERNEL = Kernel(_kl_div, "kl_div_loss_and_grad", default_config)
 def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
                          log_target=False, grad_scale=None):
     """Per-row KL [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
-    check_rows("student_logits", student_logits)
-    check_rows("target", target)
-    C, V = student_logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    loss, C, V = row_losses(student_logits=student_logits, target=target)
     if C == 0:
         return loss
     KERNEL(

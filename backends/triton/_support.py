@@ -58,11 +58,6 @@ def scale_args(grad_scale, dummy):
     return grad_scale, grad_scale.stride(0), True
 
 
-def check_rows(name, x):
-    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{name} must be 2-D with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
-
-
 @triton.jit
 def load_block(ROW, start, cols, n_cols: tl.constexpr, POLICY: tl.constexpr):
     """Columns start + cols of a row as fp32 (0 past n_cols), and the mask of the real ones."""

@@ -1,14 +1,14 @@
 """Cross-entropy loss and gradient in one kernel: 2 passes over each row, gradient written over the logits."""
 
-import torch
 import triton
 import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
     CAPABILITY, LOG2E, LN2, PRIORITY,
-    check_rows, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+    load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
 )
 
 
@@ -77,9 +77,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
 
     block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
     """
-    check_rows("logits", logits)
-    C, V = logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=logits.device)
+    loss, C, V = row_losses(logits=logits)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)

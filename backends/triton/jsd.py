@@ -6,15 +6,15 @@ or absent (beta = 0). Any other beta needs log m_j = log(beta p_j + (1 - beta) q
 both normalizers are, so it takes 3: statistics, then loss and sum_k q_k (log q_k - log m_k), then the gradient.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    check_rows, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -128,10 +128,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
     The teacher is only read. block_size / num_warps / num_stages override the launch configuration (tests,
     tuning sweeps).
     """
-    check_rows("student_logits", student_logits)
-    check_rows("teacher_logits", teacher_logits)
-    C, V = student_logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    loss, C, V = row_losses(student_logits=student_logits, teacher_logits=teacher_logits)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)

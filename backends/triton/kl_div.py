@@ -4,15 +4,15 @@ Pass 1 builds the student's softmax statistics and sum_k q_k; pass 2 accumulates
 (no cancellation between large terms) and writes dL/ds_j = softmax_j * sum_k q_k - q_j over the student logits.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    check_rows, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 
@@ -82,10 +82,7 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
 
     block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
     """
-    check_rows("student_logits", student_logits)
-    check_rows("target", target)
-    C, V = student_logits.shape
-    loss = torch.empty(C, dtype=torch.float32, device=student_logits.device)
+    loss, C, V = row_losses(student_logits=student_logits, target=target)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
