@@ -21,45 +21,16 @@ from liger_dispatch.backends.helion import _support, ce, jsd, kl_div, mhc  # noq
 from liger_dispatch.backends.reference import mhc as reference_mhc  # noqa: E402
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IGNORE = -100
+from kernel_checks import DEVICE, IGNORE, check, inputs, reference  # noqa: E402
+
 C, V = 5, 37
+logits, labels = inputs(C, V)
 ONE_ROW_BLOCKS_OF_16 = {"block_sizes": [1, 16], "num_warps": 1, "num_stages": 1}  # 3 blocks a row, the last of 5
-GRAD_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-4)}  # one rounding to the dtype on top
 
 
 @pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(hash(request.node.name) % 2**31)
-
-
-def logits(rows=C, vocab=V, dtype=torch.float32, scale=4.0, row_stride=None):
-    """Random logits; with row_stride > vocab, a view into a wider buffer whose padding holds a sentinel."""
-    buffer = torch.full((rows, row_stride or vocab), 7.0, dtype=dtype, device=DEVICE)
-    view = buffer[:, :vocab]
-    view.copy_(torch.randn(rows, vocab, device=DEVICE) * scale)
-    return view
-
-
-def labels(rows=C, vocab=V, ignored=(1,)):
-    out = torch.randint(0, vocab, (rows,), device=DEVICE)
-    out[list(ignored)] = IGNORE
-    return out
-
-
-def reference(rows_fn, x, grad_scale=None):
-    """float64 per-row loss and grad_scale * d loss_i / d x_i of the spec's formulas."""
-    x64 = x.detach().double().requires_grad_()
-    rows = rows_fn(x64)
-    scale = torch.ones_like(rows) if grad_scale is None else grad_scale.double().expand_as(rows)
-    (grad,) = torch.autograd.grad(rows, x64, scale)
-    return rows.detach(), grad
-
-
-def check(loss, grad, expected_loss, expected_grad):
-    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-5, atol=2e-5)
-    rtol, atol = GRAD_TOL[grad.dtype]
-    torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
 
 
 # ---------------------------------------------------------------- configs

@@ -1,0 +1,41 @@
+"""Inputs and checks the per-backend loss-kernel tests share: random rows, float64 autograd truth, tolerances."""
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IGNORE = -100
+# gradient tolerances: fp32 math on logits up to ~30 (exp amplifies their rounding), then one rounding to the dtype
+GRAD_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-4), torch.float16: (2e-3, 1e-5)}
+
+
+def inputs(default_rows, default_vocab):
+    """Makers of random logits and labels whose shape defaults to [default_rows, default_vocab]."""
+
+    def logits(rows=default_rows, vocab=default_vocab, dtype=torch.float32, scale=4.0, row_stride=None):
+        """Random logits; with row_stride > vocab, a view into a wider buffer whose padding holds a sentinel."""
+        buffer = torch.full((rows, row_stride or vocab), 7.0, dtype=dtype, device=DEVICE)
+        view = buffer[:, :vocab]
+        view.copy_(torch.randn(rows, vocab, device=DEVICE) * scale)
+        return view
+
+    def labels(rows=default_rows, vocab=default_vocab, ignored=(1,)):
+        out = torch.randint(0, vocab, (rows,), device=DEVICE)
+        out[list(ignored)] = IGNORE
+        return out
+
+    return logits, labels
+
+
+def reference(rows_fn, x, grad_scale=None):
+    """float64 per-row loss and grad_scale * d loss_i / d x_i of the spec's formulas."""
+    x64 = x.detach().double().requires_grad_()
+    rows = rows_fn(x64)
+    scale = torch.ones_like(rows) if grad_scale is None else grad_scale.double().expand_as(rows)
+    (grad,) = torch.autograd.grad(rows, x64, scale)
+    return rows.detach(), grad
+
+
+def check(loss, grad, expected_loss, expected_grad):
+    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-5, atol=2e-5)
+    rtol, atol = GRAD_TOL[grad.dtype]
+    torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
