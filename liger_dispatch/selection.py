@@ -9,6 +9,7 @@ with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -46,6 +47,7 @@ def use_backend(*backends: str) -> Iterator[None]:
         stack.pop()
 
 
+@functools.lru_cache(maxsize=None)
 def env_key(op: str) -> str:
     return "LIGER_BACKEND_" + "".join(c if c.isalnum() else "_" for c in op.upper())
 
@@ -87,16 +89,20 @@ def strict() -> bool:
 
 
 def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
-    """The device of the call's tensors and the dtypes of its floating-point tensors."""
+    """The device of the call's first tensor and the dtype of every tensor, in order (one pass, hot path)."""
     device = None
-    dtypes: list[torch.dtype] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            if device is None:
-                device = value.device
-            if value.is_floating_point() and value.dtype not in dtypes:
+    dtypes = []
+    for values in (args, kwargs.values()):
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                device = device or value.device
                 dtypes.append(value.dtype)
-    return device if device is not None else torch.device("cpu"), tuple(dtypes)
+    return device or torch.device("cpu"), tuple(dtypes)
+
+
+def _floating(dtypes: tuple) -> tuple:
+    """The distinct floating-point dtypes: what a Capability's dtypes are checked against."""
+    return tuple(dict.fromkeys(d for d in dtypes if d.is_floating_point))
 
 
 @dataclass(frozen=True)
@@ -150,28 +156,14 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
     return Resolution(op, source, requested, tuple(order), tuple(rejected))
 
 
-_op_env_keys: dict[str, str] = {}
-
-
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
-    device = None
-    dtypes = []
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            device = device or value.device
-            dtypes.append(value.dtype)
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
-            device = device or value.device
-            dtypes.append(value.dtype)
+    device, dtypes = call_signature(args, kwargs)
     stack = getattr(_local, "stack", None)
-    op_key = _op_env_keys.get(op) or _op_env_keys.setdefault(op, env_key(op))
-    key = (op, pinned, stack[-1] if stack else None, getenv(op_key), getenv("LIGER_BACKEND"), TABLE.version, device,
-           tuple(dtypes))
+    key = (op, pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"), TABLE.version,
+           device, dtypes)
     res = _memo.get(key)
     if res is None:
-        device, float_dtypes = call_signature(args, kwargs)
-        res = resolve_static(op, pinned, device, float_dtypes)
+        res = resolve_static(op, pinned, device, _floating(dtypes))
         if len(_memo) >= _MEMO_LIMIT:
             _memo.clear()
         _memo[key] = res
@@ -183,9 +175,7 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     res = _resolution(op, pinned, args, kwargs)
     late: list[Rejection] = []
     chosen = None
-    for impl in res.chain:
-        predicate = impl.capability.predicate
-        reason = predicate(*args, **kwargs) if predicate is not None else None
+    for impl, reason in _judged(res.chain, args, kwargs):
         if reason is None:
             chosen = impl
             break
@@ -195,6 +185,13 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     if _is_fallback(res, chosen):
         _fallback(res, chosen, [*res.rejected, *late])
     return chosen
+
+
+def _judged(chain: Sequence[Impl], args, kwargs):
+    """(impl, the reason its shape predicate turns this call down, or None), in the order of the chain."""
+    for impl in chain:
+        predicate = impl.capability.predicate
+        yield impl, (predicate(*args, **kwargs) if predicate is not None else None)
 
 
 def _is_fallback(res: Resolution, chosen: Impl) -> bool:
@@ -231,13 +228,12 @@ def reset() -> None:
 def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:
     """Which implementation would serve this call and why each other one would not; no side effects."""
     device, dtypes = call_signature(args, kwargs)
+    dtypes = _floating(dtypes)
     res = resolve_static(op, pinned, device, dtypes)
     lines = [f"op {op} on {device} ({', '.join(str(d).replace('torch.', '') for d in dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
     chosen = None
-    for impl in res.chain:
-        predicate = impl.capability.predicate
-        reason = predicate(*args, **kwargs) if predicate is not None else None
+    for impl, reason in _judged(res.chain, args, kwargs):
         label = f"{impl.backend} [{impl.variant}]"
         if reason is not None:
             lines.append(f"  {label}: cannot serve: {reason}")
