@@ -182,7 +182,7 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
         late.append(Rejection(impl.backend, impl.variant, reason))
     if chosen is None:
         raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe([*res.rejected, *late]))
-    if _is_fallback(res, chosen):
+    if _is_fallback(res, chosen, late):
         _fallback(res, chosen, [*res.rejected, *late])
     return chosen
 
@@ -194,10 +194,11 @@ def _judged(chain: Sequence[Impl], args, kwargs):
         yield impl, (predicate(*args, **kwargs) if predicate is not None else None)
 
 
-def _is_fallback(res: Resolution, chosen: Impl) -> bool:
+def _is_fallback(res: Resolution, chosen: Impl, late: Sequence[Rejection]) -> bool:
+    """A requested backend did not serve, or (auto) the reference serves although a better one exists."""
     if res.requested:
         return chosen.backend != res.requested[0]
-    return chosen.backend == REFERENCE and any(r.backend != REFERENCE for r in res.rejected)
+    return chosen.backend == REFERENCE and any(r.backend != REFERENCE for r in (*res.rejected, *late))
 
 
 def _describe(rejected: Sequence[Rejection]) -> str:
@@ -233,9 +234,11 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
     lines = [f"op {op} on {device} ({', '.join(str(d).replace('torch.', '') for d in dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
     chosen = None
+    late: list[Rejection] = []
     for impl, reason in _judged(res.chain, args, kwargs):
         label = f"{impl.backend} [{impl.variant}]"
         if reason is not None:
+            late.append(Rejection(impl.backend, impl.variant, reason))
             lines.append(f"  {label}: cannot serve: {reason}")
         elif chosen is None:
             chosen = impl
@@ -244,6 +247,6 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
             lines.append(f"  {label}: capable, not chosen (after {chosen.backend}, priority {impl.priority})")
     for r in res.rejected:
         lines.append(f"  {r.backend}" + (f" [{r.variant}]" if r.variant else "") + f": cannot serve: {r.reason}")
-    if chosen is not None and _is_fallback(res, chosen):
+    if chosen is not None and _is_fallback(res, chosen, late):
         lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
     return chosen, lines

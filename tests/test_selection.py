@@ -96,7 +96,8 @@ def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
     ld.register_backend("sized", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
     handle = dispatch.op("sized")
     assert handle(torch.ones(2)) == "alpha"
-    assert handle(torch.ones(8)) == "reference"  # auto mode: falls through; explain tells why
+    with pytest.warns(FallbackWarning, match=r"no backend better than the reference.*too large"):
+        assert handle(torch.ones(8)) == "reference"  # auto mode falls through, loudly; explain tells why
     assert "too large" in str(handle.explain(torch.ones(8)))
     monkeypatch.setenv("LIGER_BACKEND", "alpha")
     with pytest.warns(FallbackWarning, match="too large"):
