@@ -94,8 +94,6 @@ def available_backends(op_name: str, device: Union[str, torch.device] = "cuda",
     """Backends that can serve the op on this device and dtype here, best first (reference last)."""
     name = TABLE.canonical(op_name)
     status = backend_status(name, device, dtype)
-    best = {}
-    for impl in TABLE.candidates(name):
-        best.setdefault(impl.backend, impl.priority)
-    usable = [b for b, reason in status.items() if reason is None]
-    return sorted(usable, key=lambda b: (b == REFERENCE, best.get(b, 1 << 30)))
+    best_first = dict.fromkeys(i.backend for i in TABLE.candidates(name))  # candidates are sorted by priority
+    usable = [b for b in best_first if status.get(b, "") is None]
+    return [b for b in usable if b != REFERENCE] + [b for b in usable if b == REFERENCE]

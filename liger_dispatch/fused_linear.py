@@ -84,17 +84,18 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
-               chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *, extra_buffers: int = 0,
-               extra_itemsize: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
+               chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
+               extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
                accum_dtype: Optional[torch.dtype] = None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
+    extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = split_scale(grad_scale, x.dtype)
     if unscale is not None:
         accum_dtype = torch.float32
-    rows = chunk_rows(n, vocab, x.element_size() + extra_buffers * extra_itemsize)
+    rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
@@ -225,19 +226,20 @@ def compose_jsd(kernel: Callable) -> Callable:
         scale = factor / count
 
         def run(want_dx, want_dw, want_db):
-            rows = chunk_rows(x.shape[0], student_weight.shape[0], x.element_size() + xt.element_size())
-            teacher = torch.empty(min(rows, x.shape[0]), wt.shape[0], dtype=xt.dtype, device=xt.device)
+            teacher = []  # one buffer, sized by the first (largest) chunk
 
             def chunk_loss(logits, start, end, chunk_scale):
-                t_logits = teacher[: end - start]
+                if not teacher:
+                    teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
+                t_logits = teacher[0][: end - start]
                 torch.mm(xt[start:end], wt.t(), out=t_logits)
                 chunk_labels = None if labels is None else labels[start:end]
                 return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
                               temperature=temperature, grad_scale=chunk_scale)
 
-            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, extra_buffers=1,
-                                              extra_itemsize=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
-                                              want_db=False, accum_dtype=accum_dtype)
+            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
+                                              extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
+                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype)
             return loss_rows.sum() * scale, dx, dw, None
 
         return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from liger_dispatch.capability import Capability
@@ -193,9 +193,8 @@ class OpTable:
         impl = self._composed.get(key)
         if impl is None:
             first = parts[0]
-            capability = Capability(first.capability.devices, first.capability.min_cc, first.capability.max_cc,
-                                    first.capability.dtypes, first.capability.modules,
-                                    _probed(first.capability.predicate, spec.probe))
+            capability = replace(first.capability, predicate=_probed(first.capability.predicate,
+                                                                                spec.probe))
             impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
