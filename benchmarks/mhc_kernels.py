@@ -1,8 +1,8 @@
-"""Time the Triton mHC coefficient kernels at the design's shapes and compare them with the byte floor.
+"""Time the mHC coefficient kernels of each backend at the design's shapes and compare them with the byte floor.
 
-    python benchmarks/triton_mhc.py             # B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16, tmax=20
-    python benchmarks/triton_mhc.py --sweep     # also time launch-configuration variants of fwd and bwd
-    python benchmarks/triton_mhc.py --shapes 4x512x4x1024 --dtype float16
+    python benchmarks/mhc_kernels.py             # triton and cutedsl, B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16
+    python benchmarks/mhc_kernels.py --backends triton --sweep   # also time Triton's launch-configuration variants
+    python benchmarks/mhc_kernels.py --shapes 4x512x4x1024 --dtype float16
 
 Inputs are what a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model
 dtype (bf16 parameters, or bf16 copies of fp32 masters), b and the alphas fp32.
@@ -29,6 +29,7 @@ compiled kernels directly); a mismatch exits 1.
 """
 
 import argparse
+import importlib
 import itertools
 import statistics
 import sys
@@ -40,7 +41,6 @@ from triton.testing import do_bench
 
 from liger_dispatch import dispatch
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix
-from liger_dispatch.backends.triton import mhc
 from liger_dispatch.mhc import compose_mhc
 
 TMAX = 20
@@ -75,11 +75,11 @@ def rel_err(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def check(x2, phi, bias, alphas, upstream, hc, dtype):
+def check(mhc, x2, phi, bias, alphas, upstream, hc, dtype):
     """Forward outputs and the six gradients against float64 autograd of the formulas."""
     m = x2.shape[0]
     ups = [u.reshape(m, *u.shape[2:]) for u in upstream]
-    for _ in range(2):  # the first call compiles and goes through Triton's launch, the second launches directly
+    for _ in range(2):  # the first call compiles (and Triton's goes through its launcher), the second is direct
         outs = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
         grads = mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, outs[3], outs[4], *ups, hc=hc, **OPTIONS)
     leaves = [t.detach().double().requires_grad_() for t in (x2, phi, bias, *alphas)]
@@ -183,7 +183,8 @@ def main():
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4, 512, 4, 1024), (4, 2048, 4, 4096)],
                    help="BxTxHCxC")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--backends", nargs="+", default=["triton", "cutedsl"])
+    p.add_argument("--sweep", action="store_true", help="Triton only: time its launch configurations")
     args = p.parse_args()
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
@@ -192,27 +193,29 @@ def main():
     header = (f"  {'':14} {'time us':>9} {'gpu us':>8} {'host us':>8} {'launches':>8} {'floor us':>9} "
               f"{'time/floor':>10}")
     ok = True
-    user_op = dispatch.op("mhc_coeffs", backend="triton")
     floor_op = compose_mhc(*allocating_stand_ins())
-    for b, t, hc, c in args.shapes:
+    for (b, t, hc, c), backend in itertools.product(args.shapes, args.backends):
+        mhc = importlib.import_module(f"liger_dispatch.backends.{backend}.mhc")
+        user_op = dispatch.op("mhc_coeffs", backend=backend)
+        sweeping = args.sweep and backend == "triton"
         x, phi, bias, alphas, upstream = make_inputs(b, t, hc, c, dtype)
         m, k = b * t, hc * c
         x2 = x.reshape(m, k)
         ups = [u.reshape(m, *u.shape[2:]) for u in upstream]
         fwd_bytes, bwd_bytes = floor_bytes(m, k, hc, x.element_size())
         gb = (fwd_bytes + bwd_bytes) / 1e9
-        print(f"\nB={b} T={t} HC={hc} C={c}: M={m} K={k}, floor {gb:.3f} GB "
+        print(f"\n{backend}  B={b} T={t} HC={hc} C={c}: M={m} K={k}, floor {gb:.3f} GB "
               f"= {gb / tbps * 1e3:.1f} us at {tbps:.2f} TB/s, {gb / NOMINAL_TBPS * 1e3:.1f} us at {NOMINAL_TBPS}")
-        ok &= check(x2, phi, bias, alphas, upstream, hc, dtype)
+        ok &= check(mhc, x2, phi, bias, alphas, upstream, hc, dtype)
 
         saved = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
 
         def fwd(config=None):
-            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, config=config, **OPTIONS)
+            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS, **({"config": config} if config else {}))
 
         def bwd(config=None):
-            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, config=config,
-                                     **OPTIONS)
+            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, **OPTIONS,
+                                     **({"config": config} if config else {}))
 
         def fwd_bwd():
             out = fwd()
@@ -239,7 +242,7 @@ def main():
             floor_us = floor / (tbps * 1e12) * 1e6
             print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us(fn, leaves):8.1f} {n_launch:8d} {floor_us:9.1f} "
                   f"{us / floor_us:10.2f}")
-        if args.sweep:
+        if sweeping:
             sweep("fwd", FWD_SWEEP, fwd, fwd())
             sweep("bwd", BWD_SWEEP, bwd, bwd())
     print(f"\n{time.perf_counter() - started:.0f} s")

@@ -1,0 +1,149 @@
+"""CuTeDSL mHC coefficient kernels.
+
+On the CPU: the ops register after Triton and before Helion, decline CPU tensors, and every kernel variant
+compiles for sm_90a; the launch plans (K split of the forward, row groups of the backward) are checked.
+On the GPU (`pytest -m gpu`): all five forward outputs and six gradients against float64 autograd of the
+formulas, across hc, tmax, dtypes, ragged row counts, strided x, missing upstream gradients, both forward
+paths, and the design's shapes; the backward is deterministic.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from liger_dispatch import dispatch  # noqa: E402
+from liger_dispatch.backends.cutedsl import mhc  # noqa: E402
+from liger_dispatch.table import TABLE  # noqa: E402
+from mhc_checks import GRAD_NAMES, OPTIONS, check_mhc, inputs, upstream  # noqa: E402
+from test_cutedsl_kernels import _cubin_resources  # noqa: E402
+
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+OPS = ("mhc_coeff_fwd", "mhc_coeff_bwd")
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def _impl(op):
+    (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_registered_between_triton_and_helion():
+    for op in OPS:
+        impl = _impl(op)
+        priorities = {i.backend: i.priority for i in TABLE.candidates(op)}
+        assert priorities["triton"] < impl.priority < priorities["helion"]
+        assert impl.capability.min_cc == (9, 0) and tuple(impl.capability.devices) == ("cuda",)
+        assert impl.fn is getattr(mhc, op)
+
+
+def test_predicate_takes_hc_up_to_8():
+    predicate = _impl("mhc_coeff_fwd").capability.predicate
+    assert predicate(torch.zeros(2, 6), torch.zeros(6, 15), hc=3) is None
+    assert "hc=9" in predicate(torch.zeros(2, 18), torch.zeros(18, 99), hc=9)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_cpu_tensors_are_declined():
+    x, phi, b, *alphas = inputs(4, 4, 8)
+    assert "needs a CUDA device" in str(dispatch.op("mhc_coeff_fwd").explain(x, phi, b, *alphas, hc=4))
+
+
+VARIANTS = [  # (compile function, key, spills allowed)
+    (mhc._forward, (bf16, bf16, 4, 20, 8, 8, 1), False),
+    (mhc._forward, (fp32, fp32, 4, 3, 4, 8, 4), False),
+    (mhc._forward, (bf16, fp32, 2, 1, 8, 4, 2), False),
+    (mhc._split_epilogue, (4, 20, 4), False),
+    (mhc._coefficient_backward, (2, 20, True, True, True), False),
+    # hc = 4 at tmax = 20 keeps 160 Sinkhorn denominators a row: some live in local memory
+    (mhc._coefficient_backward, (4, 20, True, True, True), True),
+    (mhc._coefficient_backward, (3, 1, False, True, False), False),
+    (mhc._matmul_backward, (bf16, bf16, 4, 2), False),
+    (mhc._matmul_backward, (fp32, fp32, 4, 1), False),
+    (mhc._matmul_backward, (fp16, fp32, 2, 1), False),
+    (mhc._reduce, (bf16, 24), False),
+]
+
+
+@pytest.mark.parametrize("compile_fn, key, spills", VARIANTS, ids=[f"{f.__name__}{i}" for i, (f, *_) in
+                                                                 enumerate(VARIANTS)])
+def test_kernel_compiles_for_sm90a(compile_fn, key, spills, tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGER_CUTEDSL_DUMP_DIR", str(tmp_path))
+    cubin = compile_fn.__wrapped__(*key).compiled.artifacts.CUBIN  # bypass the process cache
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    res = _cubin_resources(cubin)
+    assert res["local"] == 0 and (spills or res["frame"] == 0), res
+
+
+def test_forward_splits_k_only_when_rows_cannot_fill_the_gpu():
+    assert mhc.forward_split(8192, 16384, 8, 132) == 1
+    split = mhc.forward_split(2048, 4096, 8, 132)
+    assert split > 1 and 2048 // mhc.LANES * split >= 132
+    assert mhc.forward_split(1, 64, 8, 132) == 1  # one chunk per warp at most
+
+
+def test_matmul_groups_cover_every_row_once():
+    for M, K, kv in [(8192, 16384, 2), (2048, 4096, 2), (37, 32, 1), (1, 8, 1)]:
+        groups, rows = mhc.matmul_groups(M, K, kv, 132)
+        assert groups * rows >= M and (groups - 1) * rows < M and rows >= 1
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def run(*args, **kwargs):
+    return check_mhc(mhc, *args, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tmax", [1, 3, 20])
+@pytest.mark.parametrize("hc,c", [(2, 64), (3, 40), (4, 256), (8, 16)])
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_gpu_matches_float64(m, hc, c, tmax):
+    run(m, hc, c, tmax)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,phi_dtype", [(bf16, None), (fp16, None), (bf16, fp32), (fp32, bf16)])
+def test_gpu_dtypes_and_strided_x(dtype, phi_dtype):
+    run(129, 4, 264, 20, dtype, x_row_stride=4 * 264 + 8, phi_dtype=phi_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("present", [(False, True, True), (True, False, False), (False, False, True),
+                                     (False, False, False)], ids=["no-pre", "pre-only", "res-only", "none"])
+def test_gpu_missing_upstream_gradients(present):
+    run(70, 4, 64, 3, present=present)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,c", [(4, 512, 1024), (4, 2048, 4096)])
+def test_gpu_design_shapes(b, t, c):
+    """One forward CTA per 32 rows fills the GPU at T=2048 (no K split); T=512 splits K."""
+    run(b * t, 4, c, 20, bf16)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_deterministic():
+    args, grads, outs, first = run(1000, 4, 256, 20)
+    again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=20, **OPTIONS)
+    for name, a, b in zip(GRAD_NAMES, first, again):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_gpu_empty_batch():
+    args = inputs(0, 4, 8)
+    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
+    assert [tuple(o.shape) for o in outs] == [(0, 4), (0, 4), (0, 4, 4), (0, 24), (0,)]
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(0, 4), hc=4, tmax=3)
+    assert got[0].shape == (0, 32) and not got[1].any() and not got[2].any()
