@@ -1,7 +1,7 @@
 """Time the mHC coefficient kernels of each backend at the design's shapes and compare them with the byte floor.
 
     python benchmarks/mhc_kernels.py             # triton and cutedsl, B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16
-    python benchmarks/mhc_kernels.py --backends triton --sweep   # also time Triton's launch-configuration variants
+    python benchmarks/mhc_kernels.py --sweep     # also time each backend's launch-configuration variants
     python benchmarks/mhc_kernels.py --shapes 4x512x4x1024 --dtype float16
 
 Inputs are what a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model
@@ -47,11 +47,17 @@ TMAX = 20
 OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0)
 NOMINAL_TBPS = 4.3
 DEVICE = "cuda"
-# about 80 variants a shape, 2-3 minutes with compilation: run one shape per device call if time is short
-FWD_SWEEP = [dict(BM=bm, BK=bk, split=s, num_warps=w, num_stages=4)
-             for bm, bk, s, w in itertools.product((16, 32, 64, 128), (128, 256), (1, 2, 4), (4, 8))]
-BWD_SWEEP = [dict(BM=bm, BK=bk, groups=g, num_warps=w, num_stages=3)
-             for bm, bk, g, w in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), (4, 8))]
+# Triton: about 80 variants a shape, 2-3 minutes with compilation: run one shape per device call if time is short
+SWEEPS = {
+    "triton": (
+        [dict(BM=bm, BK=bk, split=s, num_warps=w, num_stages=4)
+         for bm, bk, s, w in itertools.product((16, 32, 64, 128), (128, 256), (1, 2, 4), (4, 8))],
+        [dict(BM=bm, BK=bk, groups=g, num_warps=w, num_stages=3)
+         for bm, bk, g, w in itertools.product((64, 128), (64, 128), (1, 2, 4, 8), (4, 8))]),
+    "cutedsl": (
+        [dict(unroll=u, warps_per_sm=w, cols=c) for u, w, c in itertools.product((1, 2), (16, 32), (8, 16, 32))],
+        [dict(unroll=u, warps_per_sm=w, max_vec=v) for u, w, v in itertools.product((1, 2), (12, 16, 24), (4, 8))]),
+}
 
 
 def parse_shape(text):
@@ -108,7 +114,7 @@ def clear_grads(leaves):
         t.grad = None
 
 
-def launches(fn, leaves):
+def launches(fn, leaves, breakdown=False):
     """(number of CUDA kernels and memsets, their summed duration in us) of one call. The gradients are
     cleared first, as do_bench does: otherwise autograd would add each new gradient into the old one."""
     fn()
@@ -119,6 +125,8 @@ def launches(fn, leaves):
         torch.cuda.synchronize()
     clear_grads(leaves)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if breakdown:
+        print("    " + ", ".join(f"{e.name[:40]} {e.time_range.elapsed_us():.1f}" for e in kernels))
     return len(kernels), sum(e.time_range.elapsed_us() for e in kernels)
 
 
@@ -184,7 +192,8 @@ def main():
                    help="BxTxHCxC")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backends", nargs="+", default=["triton", "cutedsl"])
-    p.add_argument("--sweep", action="store_true", help="Triton only: time its launch configurations")
+    p.add_argument("--breakdown", action="store_true", help="print each kernel's duration in the fwd and bwd rows")
+    p.add_argument("--sweep", action="store_true", help="also time each backend's launch configurations")
     args = p.parse_args()
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
@@ -197,7 +206,6 @@ def main():
     for (b, t, hc, c), backend in itertools.product(args.shapes, args.backends):
         mhc = importlib.import_module(f"liger_dispatch.backends.{backend}.mhc")
         user_op = dispatch.op("mhc_coeffs", backend=backend)
-        sweeping = args.sweep and backend == "triton"
         x, phi, bias, alphas, upstream = make_inputs(b, t, hc, c, dtype)
         m, k = b * t, hc * c
         x2 = x.reshape(m, k)
@@ -238,13 +246,14 @@ def main():
                                 ("mhc_coeffs fwd", user_fwd, fwd_bytes), ("mhc_coeffs", user, total),
                                 ("autograd floor", autograd_floor, total)):
             us = do_bench(fn, grad_to_none=leaves, return_mode="median") * 1e3
-            n_launch, gpu_us = launches(fn, leaves)
+            n_launch, gpu_us = launches(fn, leaves, args.breakdown and name in ("fwd", "bwd"))
             floor_us = floor / (tbps * 1e12) * 1e6
             print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us(fn, leaves):8.1f} {n_launch:8d} {floor_us:9.1f} "
                   f"{us / floor_us:10.2f}")
-        if sweeping:
-            sweep("fwd", FWD_SWEEP, fwd, fwd())
-            sweep("bwd", BWD_SWEEP, bwd, bwd())
+        if args.sweep:
+            fwd_configs, bwd_configs = SWEEPS[backend]
+            sweep("fwd", fwd_configs, fwd, fwd())
+            sweep("bwd", bwd_configs, bwd, bwd())
     print(f"\n{time.perf_counter() - started:.0f} s")
     sys.exit(0 if ok else 1)
 

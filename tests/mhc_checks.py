@@ -50,8 +50,9 @@ def rel_err(got, want):
 
 
 def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), x_row_stride=None,
-              phi_dtype=None, fwd_kwargs=None, bwd_kwargs=None):
-    """Runs a backend's mhc_coeff_fwd / mhc_coeff_bwd (module `mhc`) on fresh inputs and checks all outputs."""
+              phi_dtype=None, fwd_kwargs=None, bwd_kwargs=None, rel_tol=None):
+    """Runs a backend's mhc_coeff_fwd / mhc_coeff_bwd (module `mhc`) on fresh inputs and checks all outputs
+    (gradients to rel_tol, by default REL_TOL of the dtype)."""
     args = inputs(m, hc, c, dtype, x_row_stride, phi_dtype)
     grads = upstream(m, hc, present)
     outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS, **(fwd_kwargs or {}))
@@ -66,5 +67,6 @@ def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, Tru
         assert g.shape == a.shape, name
         assert torch.isfinite(g).all(), name
         err = rel_err(g, w)
-        assert err <= REL_TOL[dtype], f"{name}: relative error {err:.2e} > {REL_TOL[dtype]:.0e}"
+        limit = (rel_tol or REL_TOL[dtype]) + 2 * rel_err(w.to(g.dtype), w)  # plus the rounding to the gradient's own dtype
+        assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
     return args, grads, outs, got

@@ -1,53 +1,83 @@
-"""mHC coefficients in CuTeDSL, on the FMA units: a one-launch forward and a three-launch backward.
+"""mHC coefficients in CuTeDSL: x @ phi and the backward's two products on tensor cores (warp-level TF32 MMA).
 
-x @ phi has only n = hc*hc + 2*hc columns (24 at hc = 4), so every kernel keeps a whole row of the small
-side in registers and streams x once:
-  forward: one lane per row of x, the CTA's warps split K; each lane accumulates x[row, k] * phi[k, :]
-      (phi rows are the same address across the warp: one broadcast load) and sum(x^2). The warps'
-      partials meet in shared memory in a fixed order; warp 0 then runs rstd, the sigmoids and the
-      Sinkhorn iterations for its 32 rows in registers. When the rows alone cannot fill the GPU, K is
-      also split across CTAs and a second launch merges the partials and runs the same epilogue.
+x @ phi has only n = hc*hc + 2*hc columns (24 at hc = 4), so the products are fed to m16n8k8 MMAs straight
+from global memory, without shared memory: the reduction index of a product may be permuted freely as long
+as both operands agree, so each thread loads `vec` contiguous elements of a row of x (16 bytes) and hands
+them to the MMAs in the order the fragments want. bf16 / fp16 values are exact in TF32; an fp32 operand is
+split into its TF32 rounding and the remainder (three MMAs instead of one), so fp32 inputs keep fp32
+accuracy; the backward's gz is rounded to TF32 (2^-11) when x and phi are 16-bit.
+
+  forward, two launches:
+    1. per warp, 16 rows over its share of K: the partial x @ phi and sum(x^2) (grid: row blocks x K splits);
+    2. epilogue, one thread per row: the partials summed in a fixed order, rstd, mix, the sigmoids and the
+       Sinkhorn iterations in registers.
   backward, three launches:
-    1. coefficient producer, one thread per row: sigmoid derivatives and the Sinkhorn backward (the
-       iterates are rebuilt in reverse from the saved row and column denominators), gz = grad_mix * rstd,
-       the RMS coefficient rstd^2 / K * sum_j(grad_mix_j * mix_j), per-CTA partial sums for grad_b and
-       the alphas;
-    2. MM/RMS backward, one thread per pair of k: grad_x[m, k] = gz[m, :] . phi[k, :] - coef[m] * x[m, k]
-       and, over a group of rows, grad_phi[k, :] += x[m, k] * gz[m, :];
+    1. coefficient producer, one thread per row: sigmoid derivatives, the Sinkhorn backward (each round's
+       input rebuilt from its output and the saved denominators), gz = grad_mix * rstd, the RMS
+       coefficient rstd^2 / K * sum_j(grad_mix_j * mix_j), per-CTA partials of grad_b and the alphas;
+    2. MM/RMS backward, per warp 8 * vec columns of x over a group of rows: the group's grad_phi = x^T @ gz,
+       and grad_x = gz @ phi^T - coef * x computed as (phi @ gz^T)^T, so that each accumulator lands on the
+       thread that already holds those elements of x;
     3. reducer: grad_phi over the row groups, grad_b and the alphas over the producer's CTAs.
 Every reduction runs in a fixed order; there are no atomics.
 
-Registered after Triton: Triton's tensor-core x @ phi is faster at training shapes (benchmarks/NOTES.md),
-so auto mode picks this one on Hopper only where Triton cannot serve (hc = 3, say), ahead of Helion.
+Registered after Triton and before Helion: on the H200 Triton's kernels are still faster at the design's
+shapes (benchmarks/NOTES.md), so auto mode picks these only where Triton cannot serve (hc = 3, say).
 """
 
+import dataclasses
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, TFloat32
 
 from liger_dispatch import register_backend
 
+from .._mhc import backward_results
 from . import _row
 from ._row import LOG2E
 from ._support import CUTE_DTYPE, Launcher, cache, capability, compile_kernel, pick_vec
 
-MHC_PRIORITY = 25  # after triton (20), before helion (30): see the module docstring
+MHC_PRIORITY = 25  # after triton (20), before helion (30): Triton's kernels are faster on the H200 (NOTES.md)
 MAX_HC = 8
-LANES = 32  # rows of a forward / epilogue CTA: one per lane
-FORWARD_WARPS = 8  # the warps of a forward CTA split its K range
+MMA_ROWS = 16  # rows of x a forward warp multiplies
+FWD_WARPS = 4  # a forward CTA's warps take 16 rows each and walk the same columns (phi^T loads meet in L1)
+MM_WARPS = 4
+EPILOGUE_THREADS = 128
 PRODUCER_THREADS = 128
-MM_THREADS = 256
 REDUCE_THREADS = 256
+EXACT, ROUNDED, SPLIT = 0, 1, 2  # how fp32 values become TF32 MMA operands
 _F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """Launch shape of MixPartials (benchmarks/mhc_kernels.py --sweep; measured best on the H200 by default)."""
+
+    cols: int = 16  # columns of x a thread takes a row and k-block (contiguous, several 16-byte loads), at most
+    unroll: int = 1  # k-blocks whose loads are issued together
+    warps_per_sm: int = 16  # what the grid (its K splits) aims to keep resident
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """Launch shape of MatmulBackward (as ForwardLaunch)."""
+
+    max_vec: int = 4  # columns of x a thread takes, at most
+    unroll: int = 2  # steps of 8 rows whose loads are issued together
+    warps_per_sm: int = 12  # what the grid (its row groups) aims to keep resident
 
 
 def _unsupported(x, phi, *args, hc, **kwargs):
     if not 1 <= hc <= MAX_HC:
         return f"hc={hc} is not supported (1 <= hc <= {MAX_HC})"
+    if x.dim() == 2 and x.shape[1] % 2:
+        return f"K = hc * C = {x.shape[1]} is odd (the MMA operands pair columns)"
     return None
 
 
@@ -56,6 +86,11 @@ MHC_CAPABILITY = capability(_unsupported)
 
 def _n(hc):
     return hc * hc + 2 * hc
+
+
+def _tiles(n):
+    """n8 MMA tiles covering n columns."""
+    return -(-n // 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,7 +167,94 @@ def sinkhorn_backward(S, P, row_dens, col_dens, G):
     return [[S[r][c] * (G[r][c] - dot[r]) for c in range(hc)] for r in range(hc)]
 
 
-def _load_row(t, row):
+# ----------------------------------------------------------------------------------------------
+# Warp MMA on hand-filled fragments
+# ----------------------------------------------------------------------------------------------
+
+
+def _tf32(v):
+    """v rounded to the nearest TF32 value (an fp32 value whose low 13 mantissa bits are clear)."""
+    return Int32(cute.arch.cvt_f32_tf32(v)).bitcast(Float32)
+
+
+def tf32_parts(values, mode):
+    """The TF32 terms whose sum is `values`: the values themselves (exact), their rounding, or rounding + rest."""
+    if mode == EXACT:
+        return [values]
+    high = [_tf32(v) for v in values]
+    if mode == ROUNDED:
+        return [high]
+    return [high, [v - h for v, h in zip(values, high)]]
+
+
+@dataclass(frozen=True)
+class WarpMma:
+    """m16n8k8 TF32 MMA of one warp, C += A @ B, on fragments listed in PTX register order (lane = 4 g + t):
+    A: [A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]]; B: [B[t, g], B[t+4, g]];
+    C: [C[g, 2t], C[g, 2t+1], C[g+8, 2t], C[g+8, 2t+1]].
+    Operands come as tf32_parts lists; the low x low product of two split operands is dropped (2^-22).
+    Frozen, so that the DSL treats its use inside a run-time loop as a read."""
+
+    mma: cute.TiledMma
+    a_shape: object
+    b_shape: object
+    c_shape: object
+
+    @staticmethod
+    def of(lane):
+        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, 8)))
+        thr = mma.get_slice(lane)
+        return WarpMma(mma, thr.partition_shape_A((16, 8)), thr.partition_shape_B((8, 8)),
+                       thr.partition_shape_C((16, 8)))
+
+    def zeros(self):
+        acc = cute.make_rmem_tensor(self.c_shape, Float32)
+        acc.fill(0.0)
+        return acc
+
+    def _fragment(self, shape, values):
+        frag = cute.make_rmem_tensor(shape, TFloat32)
+        for i, v in enumerate(values):
+            frag[i] = v.to(TFloat32)
+        return frag
+
+    def __call__(self, acc, a_parts, b_parts):
+        for i, a in enumerate(a_parts):
+            for j, b in enumerate(b_parts):
+                if i + j < 2:
+                    cute.gemm(self.mma, acc, self._fragment(self.a_shape, a), self._fragment(self.b_shape, b), acc)
+
+
+def issue_chunk(row, col, vec, n_cols):
+    """Starts loading `vec` elements of a row from `col` (a multiple of vec, clamped into the row). The values
+    are read from the returned fragment only when needed (chunk_values), so loads issued together overlap."""
+    src = cute.local_tile(row, (vec,), (cutlass.min(col, n_cols - vec) // vec,))
+    frag = cute.make_rmem_tensor_like(src)
+    cute.autovec_copy(src, frag)
+    return frag
+
+
+def chunk_values(frag, keep):
+    """A loaded fragment as fp32 values, times keep (0.0 for a chunk outside the data)."""
+    vals = frag.load().to(Float32)
+    return [vals[i] * keep for i in range(cute.size(frag))]
+
+
+def flag(cond):
+    """1.0 where cond holds, else 0.0."""
+    return Float32(cutlass.select_(cond, Float32(1.0), Float32(0.0)))
+
+
+def _phi_at(mPhi, k, j, n):
+    """phi[k, j] as fp32, 0 for the padding columns j >= n."""
+    return Float32(cutlass.select_(j < n, mPhi[k, cutlass.min(j, n - 1)].to(Float32), Float32(0.0)))
+
+
+def _dot(a, b):
+    return sum((x * y for x, y in zip(a[1:], b[1:])), a[0] * b[0])
+
+
+def _row_values(t, row):
     """Row `row` of a matrix with a static column count, as fp32 values (one vectorized load)."""
     src = t[row, None]
     frag = cute.make_rmem_tensor_like(src)
@@ -146,125 +268,124 @@ def _load_row(t, row):
 # ----------------------------------------------------------------------------------------------
 
 
-class _Coefficients:
-    """The forward epilogue of one row: rstd, mix, the sigmoids and Sinkhorn, written to the outputs."""
+class MixPartials:
+    """Grid (row blocks of FWD_WARPS * 16, K splits), a warp per 16 rows, all walking the CTA's K range in blocks
+    of 4 * vec columns: the partial x @ phi and sum(x^2) of each row go to mWs[split * M + row, :n] and [.., n].
 
-    def __init__(self, hc, tmax):
-        self.hc = hc
-        self.tmax = tmax
+    Thread (g, t) loads columns [col, col + vec) of rows g and g + 8, col = block start + vec * t, and of
+    phi^T rows 8p + g; MMA k-step s takes columns col + 2s and col + 2s + 1 as its k indices t and t + 4.
+    """
 
-    def __call__(self, row, acc, sumsq, n_cols, params, outputs, rms_eps, pre_eps, sinkhorn_eps, post_mult):
-        hc = self.hc
-        mB, mApre, mApost, mAres = params
-        mPre, mPost, mRes, mMix, mRstd = outputs
-        rstd = cute.math.rsqrt(sumsq / Float32(n_cols) + rms_eps)
-        mRstd[row] = rstd
-        mix = [a * rstd for a in acc]
-        for j in range(len(mix)):
-            mMix[row, j] = mix[j]
-        a_pre, a_post, a_res = mApre[0], mApost[0], mAres[0]
-        for i in range(hc):
-            mPre[row, i] = _sigmoid(mix[i] * a_pre + mB[i]) + pre_eps
-            mPost[row, i] = _sigmoid(mix[hc + i] * a_post + mB[hc + i]) * post_mult
-        L = [[mix[2 * hc + r * hc + c] * a_res + mB[2 * hc + r * hc + c] for c in range(hc)] for r in range(hc)]
-        _, P, _, _ = sinkhorn(L, self.tmax, sinkhorn_eps)
-        for r in range(hc):
-            for c in range(hc):
-                mRes[row, r * hc + c] = P[r][c]
-
-
-class MixForward:
-    """Grid (row blocks of 32, K splits). split == 1: the whole forward; else partials to mWs [split * M, n + 1]."""
-
-    def __init__(self, hc, tmax, vec, warps, split):
-        self.hc, self.n = hc, _n(hc)
-        self.vec = vec
-        self.warps = warps
-        self.split = split
-        self.epilogue = _Coefficients(hc, tmax)
+    def __init__(self, n, vec, x_mode, phi_mode, unroll):
+        self.n, self.vec, self.unroll = n, vec, unroll
+        self.x_mode, self.phi_mode = x_mode, phi_mode
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mPhi: cute.Tensor, params: tuple, outputs: tuple, mWs: cute.Tensor | None,
-                 k_per_split: Int32, rms_eps: Float32, pre_eps: Float32, sinkhorn_eps: Float32, post_mult: Float32,
-                 stream):
-        self.kernel(mX, mPhi, params, outputs, mWs, k_per_split, rms_eps, pre_eps, sinkhorn_eps, post_mult).launch(
-            grid=[cute.ceil_div(mX.shape[0], LANES), self.split, 1], block=[LANES * self.warps, 1, 1], stream=stream)
+    def __call__(self, mX: cute.Tensor, mPhiT: cute.Tensor, mWs: cute.Tensor, blocks_per_split: Int32,
+                 n_splits: Int32, stream):
+        self.kernel(mX, mPhiT, mWs, blocks_per_split).launch(
+            grid=[cute.ceil_div(mX.shape[0], FWD_WARPS * MMA_ROWS), n_splits, 1], block=[32 * FWD_WARPS, 1, 1],
+            stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mPhi: cute.Tensor, params: tuple, outputs: tuple, mWs: cute.Tensor | None,
-               k_per_split: Int32, rms_eps: Float32, pre_eps: Float32, sinkhorn_eps: Float32, post_mult: Float32):
+    def kernel(self, mX: cute.Tensor, mPhiT: cute.Tensor, mWs: cute.Tensor, blocks_per_split: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, split, _ = cute.arch.block_idx()
-        lane, warp = tidx % LANES, tidx // LANES
+        lane, warp = tidx % 32, tidx // 32
+        g, t = lane // 4, lane % 4
         n_rows, n_cols = mX.shape
-        n, vec = self.n, self.vec
-        row = block * LANES + lane
-        x_row = mX[cutlass.min(row, n_rows - 1), None]  # rows past the end compute on the last row, unwritten
+        n, vec, tiles = self.n, self.vec, _tiles(self.n)
+        mma = WarpMma.of(lane)
+        rows = ((block * FWD_WARPS + warp) * MMA_ROWS + g, (block * FWD_WARPS + warp) * MMA_ROWS + g + 8)
+        x_rows = [mX[cutlass.min(r, n_rows - 1), None] for r in rows]  # past the end: computed, not written
+        phi_rows = [mPhiT[cutlass.min(8 * p + g, n - 1), None] for p in range(tiles)]
+        acc = [mma.zeros() for _ in range(tiles)]
+        sumsq0, sumsq1 = Float32(0.0), Float32(0.0)
 
-        acc = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-        acc.fill(0.0)
-        sumsq = Float32(0.0)
-        first = split * (k_per_split // vec)
-        last = cutlass.min(first + k_per_split // vec, n_cols // vec)
-        for chunk in cutlass.range(first + warp, last, self.warps, unroll=2):
-            src = cute.local_tile(x_row, (vec,), (chunk,))
-            frag = cute.make_rmem_tensor_like(src)
-            cute.autovec_copy(src, frag)
-            xv = frag.load().to(Float32)
-            sumsq += _row.tile_sum(xv * xv)
-            for kk in cutlass.range_constexpr(vec):
-                phi_k = _load_row(mPhi, chunk * vec + kk)
-                for j in cutlass.range_constexpr(n):
-                    acc[j] = acc[j] + xv[kk] * phi_k[j]
+        span = 4 * vec
+        first = split * blocks_per_split
+        last = cutlass.min(first + blocks_per_split, (n_cols + span - 1) // span)
+        # `unroll` k-blocks a step: all their loads are issued before the first MMA
+        for step in cutlass.range(first, last, self.unroll, unroll=1):
+            loads = []
+            for d in cutlass.range_constexpr(self.unroll):
+                col = (step + d) * span + vec * t
+                loads.append(([issue_chunk(r, col, vec, n_cols) for r in x_rows],
+                              [issue_chunk(r, col, vec, n_cols) for r in phi_rows],
+                              flag(step + d < last) * flag(col < n_cols)))
+            for d in cutlass.range_constexpr(self.unroll):
+                x_frags, phi_frags, keep = loads[d]
+                xs = [chunk_values(f, keep) for f in x_frags]
+                ps = [chunk_values(f, 1.0) for f in phi_frags]
+                sumsq0 += _dot(xs[0], xs[0])
+                sumsq1 += _dot(xs[1], xs[1])
+                for s in cutlass.range_constexpr(vec // 2):
+                    a = tf32_parts([xs[0][2 * s], xs[1][2 * s], xs[0][2 * s + 1], xs[1][2 * s + 1]], self.x_mode)
+                    for p in cutlass.range_constexpr(tiles):
+                        mma(acc[p], a, tf32_parts([ps[p][2 * s], ps[p][2 * s + 1]], self.phi_mode))
 
-        smem = cutlass.memory.SmemAllocator()
-        buf = smem.allocate_tensor(Float32, cute.make_layout((LANES, n + 1, self.warps)), byte_alignment=16)
-        for j in cutlass.range_constexpr(n):
-            buf[lane, j, warp] = acc[j]
-        buf[lane, n, warp] = sumsq
-        cute.arch.barrier()
-        if warp == 0:
-            total = [buf[lane, j, 0] for j in range(n + 1)]
-            for w in cutlass.range_constexpr(1, self.warps):
-                total = [total[j] + buf[lane, j, w] for j in range(n + 1)]
-            if row < n_rows:
-                if const_expr(self.split == 1):
-                    self.epilogue(row, total[:n], total[n], n_cols, params, outputs, rms_eps, pre_eps, sinkhorn_eps,
-                                  post_mult)
-                else:
-                    for j in cutlass.range_constexpr(n + 1):
-                        mWs[split * n_rows + row, j] = total[j]
+        for i in cutlass.range_constexpr(2):
+            total = (sumsq0, sumsq1)[i]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            if rows[i] < n_rows:
+                out = split * n_rows + rows[i]
+                for p in cutlass.range_constexpr(tiles):
+                    for e in cutlass.range_constexpr(2):
+                        if 8 * p + 2 * t + e < n:
+                            mWs[out, 8 * p + 2 * t + e] = acc[p][2 * i + e]
+                if t == 0:
+                    mWs[out, n] = total
 
 
-class SplitEpilogue:
-    """Merges the K-split partials of MixForward in split order, then the forward epilogue; one lane per row."""
+class Epilogue:
+    """One thread per row: the n_parts partials of MixPartials summed in order, then rstd, mix, the sigmoids
+    and Sinkhorn, written to h_pre, h_post, h_res [M, hc * hc], mix and rstd."""
 
-    def __init__(self, hc, tmax, split):
-        self.n = _n(hc)
-        self.split = split
-        self.epilogue = _Coefficients(hc, tmax)
+    def __init__(self, hc, tmax):
+        self.hc, self.n, self.tmax = hc, _n(hc), tmax
 
     @cute.jit
-    def __call__(self, mWs: cute.Tensor, n_cols: Int32, params: tuple, outputs: tuple, rms_eps: Float32,
-                 pre_eps: Float32, sinkhorn_eps: Float32, post_mult: Float32, stream):
-        n_rows = outputs[4].shape[0]
-        self.kernel(mWs, n_cols, params, outputs, rms_eps, pre_eps, sinkhorn_eps, post_mult).launch(
-            grid=[cute.ceil_div(n_rows, LANES), 1, 1], block=[LANES, 1, 1], stream=stream)
+    def __call__(self, mWs: cute.Tensor, n_parts: Int32, n_cols: Int32, mB: cute.Tensor, mApre: cute.Tensor,
+                 mApost: cute.Tensor, mAres: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mRes: cute.Tensor,
+                 mMix: cute.Tensor, mRstd: cute.Tensor, rms_eps: Float32, pre_eps: Float32, sinkhorn_eps: Float32,
+                 post_mult: Float32, stream):
+        self.kernel(mWs, n_parts, n_cols, mB, mApre, mApost, mAres, mPre, mPost, mRes, mMix, mRstd, rms_eps,
+                    pre_eps, sinkhorn_eps, post_mult).launch(
+            grid=[cute.ceil_div(mRstd.shape[0], EPILOGUE_THREADS), 1, 1], block=[EPILOGUE_THREADS, 1, 1],
+            stream=stream)
 
     @cute.kernel
-    def kernel(self, mWs: cute.Tensor, n_cols: Int32, params: tuple, outputs: tuple, rms_eps: Float32,
-               pre_eps: Float32, sinkhorn_eps: Float32, post_mult: Float32):
+    def kernel(self, mWs: cute.Tensor, n_parts: Int32, n_cols: Int32, mB: cute.Tensor, mApre: cute.Tensor,
+               mApost: cute.Tensor, mAres: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mRes: cute.Tensor,
+               mMix: cute.Tensor, mRstd: cute.Tensor, rms_eps: Float32, pre_eps: Float32, sinkhorn_eps: Float32,
+               post_mult: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
-        n_rows = outputs[4].shape[0]
-        row = block * LANES + tidx
+        hc, n = self.hc, self.n
+        n_rows = mRstd.shape[0]
+        row = block * EPILOGUE_THREADS + tidx
         if row < n_rows:
-            total = _load_row(mWs, row)
-            for s in cutlass.range_constexpr(1, self.split):
-                part = _load_row(mWs, s * n_rows + row)
-                total = [a + b for a, b in zip(total, part)]
-            self.epilogue(row, total[:self.n], total[self.n], n_cols, params, outputs, rms_eps, pre_eps,
-                          sinkhorn_eps, post_mult)
+            total = cute.make_rmem_tensor(cute.make_layout(n + 1), Float32)
+            total.fill(0.0)
+            for part in cutlass.range(n_parts, unroll=1):
+                vals = _row_values(mWs, part * n_rows + row)
+                for j in cutlass.range_constexpr(n + 1):
+                    total[j] = total[j] + vals[j]
+            rstd = cute.math.rsqrt(total[n] / Float32(n_cols) + rms_eps)
+            mRstd[row] = rstd
+            mix = [total[j] * rstd for j in range(n)]
+            for j in cutlass.range_constexpr(n):
+                mMix[row, j] = mix[j]
+            a_pre, a_post, a_res = mApre[0], mApost[0], mAres[0]
+            for i in cutlass.range_constexpr(hc):
+                mPre[row, i] = _sigmoid(mix[i] * a_pre + mB[i]) + pre_eps
+                mPost[row, i] = _sigmoid(mix[hc + i] * a_post + mB[hc + i]) * post_mult
+            L = [[mix[2 * hc + r * hc + c] * a_res + mB[2 * hc + r * hc + c] for c in range(hc)] for r in range(hc)]
+            _, P, _, _ = sinkhorn(L, self.tmax, sinkhorn_eps)
+            for r in cutlass.range_constexpr(hc):
+                for c in cutlass.range_constexpr(hc):
+                    mRes[row, r * hc + c] = P[r][c]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,53 +394,55 @@ class SplitEpilogue:
 
 
 class CoefficientBackward:
-    """One thread per row: gz [M, n], coef [M] and per-CTA partials [blocks, n + 3] of grad_b and the alphas."""
+    """One thread per row: gz [M, 8 * tiles] (zero past n), coef [M], per-CTA partials [blocks, n + 3] of grad_b
+    and the alphas. A missing upstream gradient (None) counts as zeros."""
 
     def __init__(self, hc, tmax, has_pre, has_post, has_res):
-        self.hc, self.n = hc, _n(hc)
-        self.tmax = tmax
+        self.hc, self.n, self.tmax = hc, _n(hc), tmax
         self.has = (has_pre, has_post, has_res)
 
     @cute.jit
-    def __call__(self, mMix: cute.Tensor, mRstd: cute.Tensor, params: tuple, grads: tuple, mGz: cute.Tensor,
-                 mCoef: cute.Tensor, mPart: cute.Tensor, n_cols: Int32, sinkhorn_eps: Float32, post_mult: Float32,
-                 stream):
-        self.kernel(mMix, mRstd, params, grads, mGz, mCoef, mPart, n_cols, sinkhorn_eps, post_mult).launch(
+    def __call__(self, mMix: cute.Tensor, mRstd: cute.Tensor, mB: cute.Tensor, mApre: cute.Tensor,
+                 mApost: cute.Tensor, mAres: cute.Tensor, mGpre: cute.Tensor | None, mGpost: cute.Tensor | None,
+                 mGres: cute.Tensor | None, mGz: cute.Tensor, mCoef: cute.Tensor, mPart: cute.Tensor, n_cols: Int32,
+                 sinkhorn_eps: Float32, post_mult: Float32, stream):
+        self.kernel(mMix, mRstd, mB, mApre, mApost, mAres, mGpre, mGpost, mGres, mGz, mCoef, mPart, n_cols,
+                    sinkhorn_eps, post_mult).launch(
             grid=[cute.ceil_div(mMix.shape[0], PRODUCER_THREADS), 1, 1], block=[PRODUCER_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def kernel(self, mMix: cute.Tensor, mRstd: cute.Tensor, params: tuple, grads: tuple, mGz: cute.Tensor,
-               mCoef: cute.Tensor, mPart: cute.Tensor, n_cols: Int32, sinkhorn_eps: Float32, post_mult: Float32):
+    def kernel(self, mMix: cute.Tensor, mRstd: cute.Tensor, mB: cute.Tensor, mApre: cute.Tensor,
+               mApost: cute.Tensor, mAres: cute.Tensor, mGpre: cute.Tensor | None, mGpost: cute.Tensor | None,
+               mGres: cute.Tensor | None, mGz: cute.Tensor, mCoef: cute.Tensor, mPart: cute.Tensor, n_cols: Int32,
+               sinkhorn_eps: Float32, post_mult: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         hc, n = self.hc, self.n
-        mB, mApre, mApost, mAres = params
-        mGpre, mGpost, mGres = grads
         has_pre, has_post, has_res = self.has
         n_rows = mMix.shape[0]
         row = block * PRODUCER_THREADS + tidx
         ok = row < n_rows
         src = cutlass.min(row, n_rows - 1)
-        mix = _load_row(mMix, src)
+        mix = _row_values(mMix, src)
         rstd = mRstd[src]
         b = [mB[j] for j in range(n)]
         alphas = (mApre[0], mApost[0], mAres[0])
 
         # du: d loss / d (mix * alpha + b), segment by segment
         du = [Float32(0.0)] * n
-        if const_expr(has_pre):
-            g = _load_row(mGpre, src)
+        if cutlass.const_expr(has_pre):
+            g = _row_values(mGpre, src)
             for i in cutlass.range_constexpr(hc):
                 s = _sigmoid(mix[i] * alphas[0] + b[i])
                 du[i] = g[i] * s * (1.0 - s)
-        if const_expr(has_post):
-            g = _load_row(mGpost, src)
+        if cutlass.const_expr(has_post):
+            g = _row_values(mGpost, src)
             for i in cutlass.range_constexpr(hc):
                 s = _sigmoid(mix[hc + i] * alphas[1] + b[hc + i])
                 du[hc + i] = g[i] * post_mult * s * (1.0 - s)
-        if const_expr(has_res):
-            g = _load_row(mGres, src)
+        if cutlass.const_expr(has_res):
+            g = _row_values(mGres, src)
             L = [[mix[2 * hc + r * hc + c] * alphas[2] + b[2 * hc + r * hc + c] for c in range(hc)]
                  for r in range(hc)]
             dL = sinkhorn_backward(*sinkhorn(L, self.tmax, sinkhorn_eps),
@@ -330,11 +453,11 @@ class CoefficientBackward:
 
         segment = [0] * hc + [1] * hc + [2] * (hc * hc)
         grad_mix = [du[j] * alphas[segment[j]] for j in range(n)]
+        gz = [v * rstd for v in grad_mix] + [Float32(0.0)] * (8 * _tiles(n) - n)
         if ok:
-            for j in cutlass.range_constexpr(n):
-                mGz[row, j] = grad_mix[j] * rstd
-            mCoef[row] = rstd * rstd / Float32(n_cols) * sum(
-                (grad_mix[j] * mix[j] for j in range(1, n)), grad_mix[0] * mix[0])
+            for j in cutlass.range_constexpr(len(gz)):
+                mGz[row, j] = gz[j]
+            mCoef[row] = rstd * rstd / Float32(n_cols) * _dot(grad_mix, mix)
 
         keep = Float32(cutlass.select_(ok, Float32(1.0), Float32(0.0)))  # rows past the end add nothing
         seg_sums = [Float32(0.0)] * 3
@@ -348,17 +471,25 @@ class CoefficientBackward:
 
 
 class MatmulBackward:
-    """Grid (K blocks of MM_THREADS * kv columns, row groups): grad_x, and grad_phi partials [groups * K, n]."""
+    """Grid (column blocks of MM_WARPS * 8 * vec, row groups); per warp 8 * vec columns of x over the group's rows,
+    8 rows a step: grad_x = gz @ phi^T - coef * x and the group's grad_phi partial, to mWs[group * K + k, j].
 
-    def __init__(self, hc, kv):
-        self.n = _n(hc)
-        self.kv = kv
+    Thread (g, t) holds columns [col, col + vec), col = warp start + vec * g, of rows mb + t and mb + t + 4.
+    MMA tile q takes columns col + 2q and col + 2q + 1 as its rows g and g + 8:
+      grad_phi tile (q, p) += x^T @ gz: k indices t, t + 4 are rows mb + t, mb + t + 4; n = columns 8p + ...
+      grad_x^T tile q = phi @ gz^T over k = j: its n indices 2t, 2t + 1 are rows mb + t, mb + t + 4, so the
+      accumulator lands on the elements of x this thread holds.
+    """
+
+    def __init__(self, n, vec, x_mode, phi_mode, gz_mode, unroll):
+        self.n, self.vec, self.unroll = n, vec, unroll
+        self.x_mode, self.phi_mode, self.gz_mode = x_mode, phi_mode, gz_mode
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mPhi: cute.Tensor, mGz: cute.Tensor, mCoef: cute.Tensor, mGradX: cute.Tensor,
                  mWs: cute.Tensor, rows_per_group: Int32, n_groups: Int32, stream):
         self.kernel(mX, mPhi, mGz, mCoef, mGradX, mWs, rows_per_group).launch(
-            grid=[cute.ceil_div(mX.shape[1], MM_THREADS * self.kv), n_groups, 1], block=[MM_THREADS, 1, 1],
+            grid=[cute.ceil_div(mX.shape[1], MM_WARPS * 8 * self.vec), n_groups, 1], block=[32 * MM_WARPS, 1, 1],
             stream=stream)
 
     @cute.kernel
@@ -366,39 +497,74 @@ class MatmulBackward:
                mWs: cute.Tensor, rows_per_group: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         block, group, _ = cute.arch.block_idx()
-        n, kv = self.n, self.kv
+        lane, warp = tidx % 32, tidx // 32
+        g, t = lane // 4, lane % 4
         n_rows, n_cols = mX.shape
-        chunk = block * MM_THREADS + tidx
-        ok = chunk < n_cols // kv
-        chunk = cutlass.min(chunk, n_cols // kv - 1)
-        phi = [_load_row(mPhi, chunk * kv + i) for i in range(kv)]
-        acc = cute.make_rmem_tensor(cute.make_layout((kv, n)), Float32)
-        acc.fill(0.0)
+        n, vec, tiles, quads = self.n, self.vec, _tiles(self.n), self.vec // 2
+        mma = WarpMma.of(lane)
+        col = ((block * MM_WARPS + warp) * 8 + g) * vec
+        col_ok = col < n_cols
+        src_col = cutlass.min(col, n_cols - vec)
+        # grad_x^T's A operand, phi[column, j], the same for every row
+        phi_a = [[tf32_parts([_phi_at(mPhi, src_col + 2 * q, 8 * p + t, n), _phi_at(mPhi, src_col + 2 * q + 1, 8 * p + t, n),
+                              _phi_at(mPhi, src_col + 2 * q, 8 * p + t + 4, n),
+                              _phi_at(mPhi, src_col + 2 * q + 1, 8 * p + t + 4, n)],
+                             self.phi_mode) for p in range(tiles)] for q in range(quads)]
+        acc = [[mma.zeros() for _ in range(tiles)] for _ in range(quads)]
+
         first = group * rows_per_group
-        for m in cutlass.range(first, cutlass.min(first + rows_per_group, n_rows), unroll=2):
-            gz = _load_row(mGz, m)
-            coef = mCoef[m]
-            src = cute.local_tile(mX[m, None], (kv,), (chunk,))
-            frag = cute.make_rmem_tensor_like(src)
-            cute.autovec_copy(src, frag)
-            xv = frag.load().to(Float32)
-            out = cute.make_rmem_tensor_like(frag)
-            for i in cutlass.range_constexpr(kv):
-                dot = sum((gz[j] * phi[i][j] for j in range(1, n)), gz[0] * phi[i][0])
-                out[i] = (dot - coef * xv[i]).to(out.element_type)
-                for j in cutlass.range_constexpr(n):
-                    acc[i, j] = acc[i, j] + xv[i] * gz[j]
-            if ok:
-                cute.autovec_copy(out, cute.local_tile(mGradX[m, None], (kv,), (chunk,)))
-        if ok:
-            for i in cutlass.range_constexpr(kv):
-                for j in cutlass.range_constexpr(n):
-                    mWs[group * n_cols + chunk * kv + i, j] = acc[i, j]
+        last = cutlass.min(first + rows_per_group, n_rows)
+        # `unroll` steps of 8 rows at a time: all their loads are issued before the first MMA
+        for step in cutlass.range(first, last, 8 * self.unroll, unroll=1):
+            loads = []
+            for d in cutlass.range_constexpr(self.unroll):
+                mb = step + 8 * d
+                rows = (mb + t, mb + t + 4)
+                srcs = [cutlass.min(r, n_rows - 1) for r in rows]
+                # B of grad_x^T: gz[row of n index g, j]; n = 2i + e is row mb + i + 4e
+                row_g = cutlass.min(mb + g // 2 + 4 * (g % 2), n_rows - 1)
+                loads.append((
+                    rows, [issue_chunk(mX[r, None], col, vec, n_cols) for r in srcs],
+                    [[mGz[srcs[0], 8 * p + g], mGz[srcs[1], 8 * p + g]] for p in range(tiles)],
+                    [[mGz[row_g, 8 * p + t], mGz[row_g, 8 * p + t + 4]] for p in range(tiles)],
+                    [mCoef[r] for r in srcs]))
+            for d in cutlass.range_constexpr(self.unroll):
+                rows, x_frags, gz_phi, gz_x, coef = loads[d]
+                xs = [chunk_values(f, flag(r < last)) for f, r in zip(x_frags, rows)]
+                for p in cutlass.range_constexpr(tiles):
+                    gz_b = tf32_parts(gz_phi[p], self.gz_mode)
+                    for q in cutlass.range_constexpr(quads):
+                        mma(acc[q][p], tf32_parts([xs[0][2 * q], xs[0][2 * q + 1], xs[1][2 * q], xs[1][2 * q + 1]],
+                                                  self.x_mode), gz_b)
+                gz_x = [tf32_parts(v, self.gz_mode) for v in gz_x]
+                out = [[], []]
+                for q in cutlass.range_constexpr(quads):
+                    c = mma.zeros()
+                    for p in cutlass.range_constexpr(tiles):
+                        mma(c, phi_a[q][p], gz_x[p])
+                    for i in cutlass.range_constexpr(2):
+                        out[i] += [c[i] - coef[i] * xs[i][2 * q], c[2 + i] - coef[i] * xs[i][2 * q + 1]]
+                for i in cutlass.range_constexpr(2):
+                    if col_ok:
+                        if rows[i] < last:
+                            dst = cute.local_tile(mGradX[rows[i], None], (vec,), (col // vec,))
+                            frag = cute.make_rmem_tensor_like(dst)
+                            for e in cutlass.range_constexpr(vec):
+                                frag[e] = out[i][e].to(frag.element_type)
+                            cute.autovec_copy(frag, dst)
+
+        if col_ok:
+            for q in cutlass.range_constexpr(quads):
+                for p in cutlass.range_constexpr(tiles):
+                    for e in cutlass.range_constexpr(4):
+                        j = 8 * p + 2 * t + e % 2
+                        if j < n:
+                            mWs[group * n_cols + col + 2 * q + e // 2, j] = acc[q][p][e]
 
 
 class Reduce:
-    """grad_phi = sum over row groups of the partials (flat [K * n]), and, in the last CTA, grad_b and the
-    alphas = sum over the producer's CTAs of its partials [blocks, n + 3]."""
+    """grad_phi = the row groups' partials summed in order (flat [K * n]); in the last CTA, grad_b and the alphas =
+    the producer's per-CTA partials [blocks, n + 3] summed in order."""
 
     @cute.jit
     def __call__(self, mWs: cute.Tensor, mGradPhi: cute.Tensor, mPart: cute.Tensor, mGradBA: cute.Tensor,
@@ -418,8 +584,8 @@ class Reduce:
             i = block * REDUCE_THREADS + tidx
             if i < size:
                 total = Float32(0.0)
-                for g in cutlass.range(n_groups, unroll=4):
-                    total += mWs[g * size + i]
+                for grp in cutlass.range(n_groups, unroll=4):
+                    total += mWs[grp * size + i]
                 mGradPhi[i] = total.to(mGradPhi.element_type)
         elif tidx < mGradBA.shape[0]:
             total = Float32(0.0)
@@ -433,120 +599,131 @@ class Reduce:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake(dtype, shape, stride, align=16):
+def _fake(dtype, shape, stride, align):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
+def _matrix(dtype, vec, rows=None):
+    """[R, C], both symbolic (or R given), unit column stride, row stride a multiple of vec, vec-element aligned."""
+    return _fake(dtype, (rows if rows is not None else cute.sym_int(), cute.sym_int()),
+                 (cute.sym_int64(divisibility=vec), 1), vec * dtype.width // 8)
+
+
 def _rows(n_cols, rows=None, dtype=cutlass.Float32):
-    """[M, n_cols] contiguous fp32 (or `dtype`) with M symbolic (or the given symbol)."""
+    """[M, n_cols] contiguous, M symbolic (or given)."""
     return _fake(dtype, (rows if rows is not None else cute.sym_int(), n_cols), (n_cols, 1),
-                 align=math.gcd(16, n_cols * dtype.width // 8))
+                 math.gcd(16, n_cols * dtype.width // 8))
 
 
-def _scalar():
-    return _fake(cutlass.Float32, (1,), (1,), align=4)
+def _vector(size=None, dtype=cutlass.Float32):
+    return _fake(dtype, (size if size is not None else cute.sym_int(),), (1,), dtype.width // 8)
 
 
-def _params(n):
-    return (_fake(cutlass.Float32, (n,), (1,), align=4), _scalar(), _scalar(), _scalar())
-
-
-def _outputs(hc):
-    rows = cute.sym_int()
-    return (_rows(hc, rows), _rows(hc, rows), _rows(hc * hc, rows), _rows(_n(hc), rows),
-            _fake(cutlass.Float32, (rows,), (1,), align=4))
-
-
-def _x_matrix(dtype, vec):
-    return _fake(CUTE_DTYPE[dtype], (cute.sym_int(), cute.sym_int()), (cute.sym_int64(divisibility=vec), 1),
-                 align=vec * dtype.itemsize)
-
-
-def _phi_matrix(dtype, hc):
-    return _rows(_n(hc), dtype=CUTE_DTYPE[dtype])
+def _modes(x_dtype, phi_dtype):
+    """TF32 operand modes of (x, phi, gz): 16-bit data is exact, fp32 is split; gz is rounded next to 16-bit data."""
+    x_mode = EXACT if x_dtype.itemsize == 2 else SPLIT
+    phi_mode = EXACT if phi_dtype.itemsize == 2 else SPLIT
+    return x_mode, phi_mode, ROUNDED if x_mode == phi_mode == EXACT else SPLIT
 
 
 @cache
-def _forward(x_dtype, phi_dtype, hc, tmax, vec, warps, split):
-    ws = _rows(_n(hc) + 1) if split > 1 else None
-    return Launcher(compile_kernel(MixForward(hc, tmax, vec, warps, split), _x_matrix(x_dtype, vec),
-                                   _phi_matrix(phi_dtype, hc), _params(_n(hc)), _outputs(hc), ws, 0, 0.0, 0.0, 0.0,
-                                   0.0))
+def _mix_partials(x_dtype, phi_dtype, n, cols, align, unroll):
+    """cols: columns a thread takes a row and k-block; align: the elements its loads may assume aligned."""
+    x_mode, phi_mode, _ = _modes(x_dtype, phi_dtype)
+    return Launcher(compile_kernel(MixPartials(n, cols, x_mode, phi_mode, unroll), _matrix(CUTE_DTYPE[x_dtype], align),
+                                   _matrix(CUTE_DTYPE[phi_dtype], align, rows=n), _rows(n + 1), 0, 0))
 
 
 @cache
-def _split_epilogue(hc, tmax, split):
-    return Launcher(compile_kernel(SplitEpilogue(hc, tmax, split), _rows(_n(hc) + 1), 0, _params(_n(hc)),
-                                   _outputs(hc), 0.0, 0.0, 0.0, 0.0))
+def _epilogue(hc, tmax):
+    n, rows = _n(hc), cute.sym_int()
+    return Launcher(compile_kernel(
+        Epilogue(hc, tmax), _rows(n + 1), 0, 0, _vector(n), _vector(1), _vector(1), _vector(1), _rows(hc, rows),
+        _rows(hc, rows), _rows(hc * hc, rows), _rows(n, rows), _vector(rows), 0.0, 0.0, 0.0, 0.0))
 
 
 @cache
 def _coefficient_backward(hc, tmax, has_pre, has_post, has_res):
-    n = _n(hc)
-    rows = cute.sym_int()
-    grads = tuple(_rows(w, rows) if has else None for has, w in zip((has_pre, has_post, has_res), (hc, hc, hc * hc)))
-    return Launcher(compile_kernel(CoefficientBackward(hc, tmax, has_pre, has_post, has_res), _rows(n, rows),
-                                   _fake(cutlass.Float32, (rows,), (1,), align=4), _params(n), grads, _rows(n, rows),
-                                   _fake(cutlass.Float32, (rows,), (1,), align=4), _rows(n + 3), 0, 0.0, 0.0))
+    n, rows = _n(hc), cute.sym_int()
+    grads = [_rows(width, rows) if has else None for has, width in zip((has_pre, has_post, has_res), (hc, hc, hc * hc))]
+    return Launcher(compile_kernel(
+        CoefficientBackward(hc, tmax, has_pre, has_post, has_res), _rows(n, rows), _vector(rows), _vector(n),
+        _vector(1), _vector(1), _vector(1), *grads, _rows(8 * _tiles(n), rows), _vector(rows), _rows(n + 3), 0, 0.0,
+        0.0))
 
 
 @cache
-def _matmul_backward(x_dtype, phi_dtype, hc, kv):
-    x = _x_matrix(x_dtype, kv)
-    grad_x = _x_matrix(x_dtype, kv)
-    return Launcher(compile_kernel(MatmulBackward(hc, kv), x, _phi_matrix(phi_dtype, hc), _rows(_n(hc)),
-                                   _fake(cutlass.Float32, (cute.sym_int(),), (1,), align=4), grad_x, _rows(_n(hc)),
-                                   0, 0))
+def _matmul_backward(x_dtype, phi_dtype, n, vec, unroll):
+    x = CUTE_DTYPE[x_dtype]
+    return Launcher(compile_kernel(
+        MatmulBackward(n, vec, *_modes(x_dtype, phi_dtype), unroll), _matrix(x, vec), _rows(n, dtype=CUTE_DTYPE[phi_dtype]),
+        _rows(8 * _tiles(n)), _vector(), _matrix(x, vec), _rows(n), 0, 0))
 
 
 @cache
 def _reduce(phi_dtype, n):
-    flat = cute.sym_int()
-    return Launcher(compile_kernel(Reduce(), _fake(cutlass.Float32, (cute.sym_int(),), (1,), align=4),
-                                   _fake(CUTE_DTYPE[phi_dtype], (flat,), (1,), align=2), _rows(n + 3),
-                                   _fake(cutlass.Float32, (n + 3,), (1,), align=4), 0))
+    return Launcher(compile_kernel(Reduce(), _vector(), _vector(dtype=CUTE_DTYPE[phi_dtype]), _rows(n + 3),
+                                   _vector(n + 3), 0))
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def forward_split(M, K, vec, n_sms):
-    """K splits of the forward: 1 when the row blocks fill the GPU, else enough to give ~2 CTAs per SM."""
-    blocks = -(-M // LANES)
-    if blocks >= n_sms:
-        return 1
-    return max(1, min(-(-2 * n_sms // blocks), K // (vec * FORWARD_WARPS), 16))
+def forward_splits(M, K, vec, n_sms, warps_per_sm):
+    """K splits of the forward: as many as keep the warps within warps_per_sm an SM, 4 k-blocks a split at least."""
+    warps = -(-M // MMA_ROWS)
+    k_blocks = -(-K // (4 * vec))
+    return max(1, min(warps_per_sm * n_sms // warps, k_blocks // 4))
 
 
-def matmul_groups(M, K, kv, n_sms):
-    """Row groups of the MM/RMS backward: ~4 CTAs per SM in all, at least 32 rows per group."""
-    k_blocks = -(-K // (MM_THREADS * kv))
-    groups = max(1, min(-(-4 * n_sms // k_blocks), -(-M // 32)))
-    rows = -(-M // groups)
+def forward_cols(K, align, most):
+    """Columns a forward thread takes a row and k-block: up to `most`, whole aligned vectors, dividing K."""
+    cols = max(most, align)
+    while cols > align and K % cols:
+        cols //= 2
+    return cols
+
+
+def matmul_groups(M, K, vec, n_sms, warps_per_sm):
+    """(row groups, rows per group, a multiple of 8) of the MM/RMS backward: about warps_per_sm warps an SM."""
+    col_blocks = -(-K // (MM_WARPS * 8 * vec))
+    wanted = max(1, min(-(-warps_per_sm * n_sms // (col_blocks * MM_WARPS)), -(-M // 8)))
+    rows = -(-M // wanted)
+    rows = -(-rows // 8) * 8
     return -(-M // rows), rows
 
 
+def matmul_vec(K, n, max_vec, *rows):
+    """Columns a thread of the MM/RMS backward takes: pick_vec up to max_vec, fewer while vec/2 x tiles(n) MMA
+    tiles of phi and of the accumulators would crowd the registers."""
+    vec = min(pick_vec(K, *rows), max_vec)
+    while vec > 2 and vec // 2 * _tiles(n) > 12:
+        vec //= 2
+    return vec
+
 
 def _operands(x, phi, b):
-    """x with unit column stride (any row stride), phi and b contiguous; 0-d scalars as [1] views."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    """x with unit column stride and 2-element aligned rows (any row stride), phi and b contiguous."""
+    if x.stride(1) != 1 or pick_vec(x.shape[1], x) < 2:
+        x = x.clone(memory_format=torch.contiguous_format)
     return x, phi.contiguous(), b.contiguous()
 
 
-def _one(t):
-    return t.reshape(1)
+def _launch(default, config):
+    return default if not config else dataclasses.replace(default, **config)
 
 
-def _kv(x):
-    """k columns per thread in the MM/RMS backward: 4 bytes of x (2 in 16-bit dtypes), if alignment allows."""
-    return pick_vec(x.shape[1], x) if x.element_size() == 4 else min(2, pick_vec(x.shape[1], x))
+def _alphas(*alphas):
+    return tuple(a.reshape(1) for a in alphas)
 
 
 @register_backend("mhc_coeff_fwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                  sinkhorn_eps=1e-6, post_mult=2.0):
+                  sinkhorn_eps=1e-6, post_mult=2.0, config=None):
+    """config: a dict of ForwardLaunch fields to override (benchmarks, sweeps)."""
+    launch = _launch(ForwardLaunch(), config)
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = _n(hc), x.device
@@ -555,17 +732,16 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     mix, rstd = torch.empty(M, n, device=dev, dtype=_F32), torch.empty(M, device=dev, dtype=_F32)
     if M == 0:
         return pre, post, res, mix, rstd
-    vec = pick_vec(K, x)
-    split = forward_split(M, K, vec, _num_sms(dev))
-    k_per_split = -(-K // (vec * split)) * vec
-    params = (b, _one(alpha_pre), _one(alpha_post), _one(alpha_res))
-    outputs = (pre, post, res.view(M, hc * hc), mix, rstd)
-    scalars = (float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
-    ws = torch.empty(split * M, n + 1, device=dev, dtype=_F32) if split > 1 else None
-    _forward(x.dtype, phi.dtype, hc, tmax, vec, FORWARD_WARPS, split)(x, phi, params, outputs, ws, k_per_split,
-                                                                      *scalars)
-    if split > 1:
-        _split_epilogue(hc, tmax, split)(ws, K, params, outputs, *scalars)
+    phi_t = phi.t().contiguous()
+    align = pick_vec(K, x, phi_t)
+    cols = forward_cols(K, align, launch.cols)
+    splits = forward_splits(M, K, cols, _num_sms(dev), launch.warps_per_sm)
+    blocks_per_split = -(-(-(-K // (4 * cols))) // splits)
+    ws = torch.empty(splits * M, n + 1, device=dev, dtype=_F32)
+    _mix_partials(x.dtype, phi.dtype, n, cols, align, launch.unroll)(x, phi_t, ws, blocks_per_split, splits)
+    _epilogue(hc, tmax)(ws, splits, K, b, *_alphas(alpha_pre, alpha_post, alpha_res), pre, post,
+                        res.view(M, hc * hc), mix, rstd, float(rms_eps), float(pre_eps), float(sinkhorn_eps),
+                        float(post_mult))
     return pre, post, res, mix, rstd
 
 
@@ -575,30 +751,26 @@ def _grad(g, shape):
 
 @register_backend("mhc_coeff_bwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
-                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
+                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None):
+    """config: a dict of BackwardLaunch fields to override (benchmarks, sweeps)."""
+    launch = _launch(BackwardLaunch(), config)
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = _n(hc), x.device
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_phi = torch.empty(K, n, device=dev, dtype=phi.dtype)
-    grad_b_alpha = torch.empty(n + 3, device=dev, dtype=_F32)
-    results = (grad_x, grad_phi, grad_b_alpha[:n], grad_b_alpha[n], grad_b_alpha[n + 1], grad_b_alpha[n + 2])
+    grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, n)
     if M == 0:
-        grad_phi.zero_()
-        grad_b_alpha.zero_()
         return results
     grads = (_grad(grad_h_pre, (M, hc)), _grad(grad_h_post, (M, hc)), _grad(grad_h_res, (M, hc * hc)))
-    params = (b, _one(alpha_pre), _one(alpha_post), _one(alpha_res))
-    gz = torch.empty(M, n, device=dev, dtype=_F32)
+    gz = torch.empty(M, 8 * _tiles(n), device=dev, dtype=_F32)
     coef = torch.empty(M, device=dev, dtype=_F32)
     part = torch.empty(-(-M // PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
     _coefficient_backward(hc, tmax, *(g is not None for g in grads))(
-        mix.contiguous(), rstd.contiguous(), params, grads, gz, coef, part, K, float(sinkhorn_eps), float(post_mult))
+        mix.contiguous(), rstd.contiguous(), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
+        float(sinkhorn_eps), float(post_mult))
 
-    kv = _kv(x)
-    groups, rows_per_group = matmul_groups(M, K, kv, _num_sms(dev))
+    vec = matmul_vec(K, n, launch.max_vec, x, grad_x)
+    groups, rows_per_group = matmul_groups(M, K, vec, _num_sms(dev), launch.warps_per_sm)
     ws = torch.empty(groups * K, n, device=dev, dtype=_F32)
-    _matmul_backward(x.dtype, phi.dtype, hc, kv)(x, phi, gz, coef, grad_x, ws, rows_per_group, groups)
+    _matmul_backward(x.dtype, phi.dtype, n, vec, launch.unroll)(x, phi, gz, coef, grad_x, ws, rows_per_group, groups)
     _reduce(phi.dtype, n)(ws.view(-1), grad_phi.view(-1), part, grad_b_alpha, groups)
     return results
-

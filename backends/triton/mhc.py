@@ -28,6 +28,7 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
+from .._mhc import backward_results
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
 
 SUPPORTED_HC = (2, 4, 8)
@@ -635,13 +636,8 @@ def mhc_coeff_bwd(
     plan = _plan(_BwdPlan, (*signature, grads, dtypes, _config_key(config)), *signature, config, grads)
     M, K = x.shape
     n, dev = plan.n, x.device
-    grad_x = torch.empty(M, K, device=dev, dtype=x.dtype)
-    grad_phi = torch.empty(K, n, device=dev, dtype=phi.dtype)
-    grad_b_alpha = torch.empty(n + 3, device=dev, dtype=_F32)
-    results = (grad_x, grad_phi, grad_b_alpha[:n], grad_b_alpha[n], grad_b_alpha[n + 1], grad_b_alpha[n + 2])
+    grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, n)
     if M == 0:
-        grad_phi.zero_()
-        grad_b_alpha.zero_()
         return results
     target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post,
                             grad_h_res)
