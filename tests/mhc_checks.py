@@ -67,6 +67,7 @@ def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, Tru
         assert g.shape == a.shape, name
         assert torch.isfinite(g).all(), name
         err = rel_err(g, w)
-        limit = (rel_tol or REL_TOL[dtype]) + 2 * rel_err(w.to(g.dtype), w)  # plus the rounding to the gradient's own dtype
+        # plus twice the rounding of the truth to the gradient's own dtype
+        limit = (rel_tol or REL_TOL[dtype]) + 2 * rel_err(w.to(g.dtype), w)
         assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
     return args, grads, outs, got

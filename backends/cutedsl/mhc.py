@@ -2,8 +2,8 @@
 
 x @ phi has only n = hc*hc + 2*hc columns (24 at hc = 4), so the products are fed to m16n8k8 MMAs straight
 from global memory, without shared memory: the reduction index of a product may be permuted freely as long
-as both operands agree, so each thread loads `vec` contiguous elements of a row of x (16 bytes) and hands
-them to the MMAs in the order the fragments want. bf16 / fp16 values are exact in TF32; an fp32 operand is
+as both operands agree, so each thread loads contiguous elements of a row of x (whole 16-byte vectors) and
+hands them to the MMAs in the order the fragments want. bf16 / fp16 values are exact in TF32; an fp32 operand is
 split into its TF32 rounding and the remainder (three MMAs instead of one), so fp32 inputs keep fp32
 accuracy; the backward's gz is rounded to TF32 (2^-11) when x and phi are 16-bit.
 
@@ -270,14 +270,14 @@ def _row_values(t, row):
 
 class MixPartials:
     """Grid (row blocks of FWD_WARPS * 16, K splits), a warp per 16 rows, all walking the CTA's K range in blocks
-    of 4 * vec columns: the partial x @ phi and sum(x^2) of each row go to mWs[split * M + row, :n] and [.., n].
+    of 4 * cols columns: the partial x @ phi and sum(x^2) of each row go to mWs[split * M + row, :n] and [.., n].
 
-    Thread (g, t) loads columns [col, col + vec) of rows g and g + 8, col = block start + vec * t, and of
+    Thread (g, t) loads columns [col, col + cols) of rows g and g + 8, col = block start + cols * t, and of
     phi^T rows 8p + g; MMA k-step s takes columns col + 2s and col + 2s + 1 as its k indices t and t + 4.
     """
 
-    def __init__(self, n, vec, x_mode, phi_mode, unroll):
-        self.n, self.vec, self.unroll = n, vec, unroll
+    def __init__(self, n, cols, x_mode, phi_mode, unroll):
+        self.n, self.vec, self.unroll = n, cols, unroll
         self.x_mode, self.phi_mode = x_mode, phi_mode
 
     @cute.jit
@@ -506,9 +506,7 @@ class MatmulBackward:
         col_ok = col < n_cols
         src_col = cutlass.min(col, n_cols - vec)
         # grad_x^T's A operand, phi[column, j], the same for every row
-        phi_a = [[tf32_parts([_phi_at(mPhi, src_col + 2 * q, 8 * p + t, n), _phi_at(mPhi, src_col + 2 * q + 1, 8 * p + t, n),
-                              _phi_at(mPhi, src_col + 2 * q, 8 * p + t + 4, n),
-                              _phi_at(mPhi, src_col + 2 * q + 1, 8 * p + t + 4, n)],
+        phi_a = [[tf32_parts([_phi_at(mPhi, src_col + 2 * q + r, 8 * p + t + k, n) for k in (0, 4) for r in (0, 1)],
                              self.phi_mode) for p in range(tiles)] for q in range(quads)]
         acc = [[mma.zeros() for _ in range(tiles)] for _ in range(quads)]
 
@@ -656,8 +654,8 @@ def _coefficient_backward(hc, tmax, has_pre, has_post, has_res):
 def _matmul_backward(x_dtype, phi_dtype, n, vec, unroll):
     x = CUTE_DTYPE[x_dtype]
     return Launcher(compile_kernel(
-        MatmulBackward(n, vec, *_modes(x_dtype, phi_dtype), unroll), _matrix(x, vec), _rows(n, dtype=CUTE_DTYPE[phi_dtype]),
-        _rows(8 * _tiles(n)), _vector(), _matrix(x, vec), _rows(n), 0, 0))
+        MatmulBackward(n, vec, *_modes(x_dtype, phi_dtype), unroll), _matrix(x, vec),
+        _rows(n, dtype=CUTE_DTYPE[phi_dtype]), _rows(8 * _tiles(n)), _vector(), _matrix(x, vec), _rows(n), 0, 0))
 
 
 @cache
