@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from liger_dispatch import dispatch  # noqa: E402
-from liger_dispatch.backends.cutedsl import mhc  # noqa: E402
+from liger_dispatch.backends.cutedsl import _mhc_rows, mhc  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from liger_dispatch.table import TABLE  # noqa: E402
 from mhc_checks import GRAD_NAMES, OPTIONS, check_mhc, inputs, upstream  # noqa: E402
@@ -64,15 +64,15 @@ def test_cpu_tensors_are_declined():
 @pytest.mark.parametrize("hc,tmax", [(2, 1), (3, 3), (4, 20)])
 def test_sinkhorn_and_its_backward_on_python_floats(hc, tmax, monkeypatch):
     """The unrolled per-row Sinkhorn math the kernels trace, run on Python floats against float64 autograd."""
-    monkeypatch.setattr(mhc.cute.arch, "fmax", max)
-    monkeypatch.setattr(mhc.cute.math, "exp2", lambda v, fastmath=False: 2.0 ** v)
+    monkeypatch.setattr(_mhc_rows.cute.arch, "fmax", max)
+    monkeypatch.setattr(_mhc_rows.cute.math, "exp2", lambda v, fastmath=False: 2.0 ** v)
     logits = torch.randn(hc, hc, dtype=torch.float64, requires_grad=True)
     upstream_grad = torch.randn(hc, hc, dtype=torch.float64)
     want = formulas.sinkhorn(logits[None], tmax=tmax, eps=1e-6)[0]
     (want * upstream_grad).sum().backward()
-    state = mhc.sinkhorn(logits.tolist(), tmax, 1e-6)
+    state = _mhc_rows.sinkhorn(logits.tolist(), tmax, 1e-6)
     torch.testing.assert_close(torch.tensor(state[1], dtype=torch.float64), want.detach(), rtol=1e-12, atol=1e-12)
-    grad = mhc.sinkhorn_backward(*state, upstream_grad.tolist())
+    grad = _mhc_rows.sinkhorn_backward(*state, upstream_grad.tolist())
     torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64), logits.grad, rtol=1e-9, atol=1e-12)
 
 

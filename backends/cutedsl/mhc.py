@@ -34,14 +34,16 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, TFloat32
+from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
 from .._mhc import backward_results
 from . import _row
-from ._row import LOG2E
+from ._mhc_rows import dot, sigmoid, sinkhorn, sinkhorn_backward
 from ._support import CUTE_DTYPE, Launcher, cache, capability, compile_kernel, pick_vec
+from ._warp_mma import (EXACT, ROUNDED, SPLIT, WarpMma, chunk_values, flag, issue_chunk, masked_at, row_values,
+                        tf32_parts)
 
 MHC_PRIORITY = 25  # after triton (20), before helion (30): Triton's kernels are faster on the H200 (NOTES.md)
 MAX_HC = 8
@@ -51,7 +53,6 @@ MM_WARPS = 4
 EPILOGUE_THREADS = 128
 PRODUCER_THREADS = 128
 REDUCE_THREADS = 256
-EXACT, ROUNDED, SPLIT = 0, 1, 2  # how fp32 values become TF32 MMA operands
 _F32 = torch.float32
 
 
@@ -91,176 +92,6 @@ def _n(hc):
 def _tiles(n):
     """n8 MMA tiles covering n columns."""
     return -(-n // 8)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-row math on Python lists of fp32 scalars (traced inline, fully unrolled)
-# ----------------------------------------------------------------------------------------------
-
-
-def _sigmoid(u):
-    return 1.0 / (1.0 + cute.math.exp2(-u * LOG2E, fastmath=True))
-
-
-def _softmax_rows(L):
-    out = []
-    for row in L:
-        m = row[0]
-        for v in row[1:]:
-            m = cute.arch.fmax(m, v)
-        e = [cute.math.exp2((v - m) * LOG2E, fastmath=True) for v in row]
-        inv = 1.0 / sum(e[1:], e[0])
-        out.append([v * inv for v in e])
-    return out
-
-
-def _normalize_columns(A, eps):
-    """A / (column sums + eps), and the denominators."""
-    den = [sum((row[c] for row in A[1:]), A[0][c]) + eps for c in range(len(A[0]))]
-    inv = [1.0 / d for d in den]
-    return [[v * inv[c] for c, v in enumerate(row)] for row in A], den
-
-
-def _normalize_rows(A, eps):
-    den = [sum(row[1:], row[0]) + eps for row in A]
-    return [[v * (1.0 / d) for v in row] for row, d in zip(A, den)], den
-
-
-def sinkhorn(L, tmax, eps):
-    """(softmax S, result P, row denominators of rounds 1.., column denominators of rounds 0..)."""
-    S = _softmax_rows(L)
-    P, col_den = _normalize_columns([[s + eps for s in row] for row in S], eps)
-    row_dens, col_dens = [], [col_den]
-    for _ in range(1, tmax):
-        R, row_den = _normalize_rows(P, eps)
-        P, col_den = _normalize_columns(R, eps)
-        row_dens.append(row_den)
-        col_dens.append(col_den)
-    return S, P, row_dens, col_dens
-
-
-def _column_step_backward(G, P, den):
-    """Through P = A / (colsum(A) + eps): dA[r][c] = (G[r][c] - sum_r' G[r'][c] P[r'][c]) / den[c]."""
-    hc = len(G)
-    dot = [sum((G[r][c] * P[r][c] for r in range(1, hc)), G[0][c] * P[0][c]) for c in range(hc)]
-    inv = [1.0 / d for d in den]
-    return [[(G[r][c] - dot[c]) * inv[c] for c in range(hc)] for r in range(hc)]
-
-
-def _row_step_backward(G, P, den):
-    hc = len(G)
-    dot = [sum((G[r][c] * P[r][c] for c in range(1, hc)), G[r][0] * P[r][0]) for r in range(hc)]
-    return [[(G[r][c] - dot[r]) * (1.0 / den[r]) for c in range(hc)] for r in range(hc)]
-
-
-def sinkhorn_backward(S, P, row_dens, col_dens, G):
-    """dL/dlogits from dL/dP. Each round's input is rebuilt from its output times its denominators."""
-    for t in range(len(row_dens), 0, -1):
-        G = _column_step_backward(G, P, col_dens[t])
-        P = [[v * col_dens[t][c] for c, v in enumerate(row)] for row in P]
-        G = _row_step_backward(G, P, row_dens[t - 1])
-        P = [[v * d for v in row] for row, d in zip(P, row_dens[t - 1])]
-    G = _column_step_backward(G, P, col_dens[0])
-    # through S = softmax(L) (the + eps has no derivative): dL = S * (G - sum_c' G S)
-    hc = len(G)
-    dot = [sum((G[r][c] * S[r][c] for c in range(1, hc)), G[r][0] * S[r][0]) for r in range(hc)]
-    return [[S[r][c] * (G[r][c] - dot[r]) for c in range(hc)] for r in range(hc)]
-
-
-# ----------------------------------------------------------------------------------------------
-# Warp MMA on hand-filled fragments
-# ----------------------------------------------------------------------------------------------
-
-
-def _tf32(v):
-    """v rounded to the nearest TF32 value (an fp32 value whose low 13 mantissa bits are clear)."""
-    return Int32(cute.arch.cvt_f32_tf32(v)).bitcast(Float32)
-
-
-def tf32_parts(values, mode):
-    """The TF32 terms whose sum is `values`: the values themselves (exact), their rounding, or rounding + rest."""
-    if mode == EXACT:
-        return [values]
-    high = [_tf32(v) for v in values]
-    if mode == ROUNDED:
-        return [high]
-    return [high, [v - h for v, h in zip(values, high)]]
-
-
-@dataclass(frozen=True)
-class WarpMma:
-    """m16n8k8 TF32 MMA of one warp, C += A @ B, on fragments listed in PTX register order (lane = 4 g + t):
-    A: [A[g, t], A[g+8, t], A[g, t+4], A[g+8, t+4]]; B: [B[t, g], B[t+4, g]];
-    C: [C[g, 2t], C[g, 2t+1], C[g+8, 2t], C[g+8, 2t+1]].
-    Operands come as tf32_parts lists; the low x low product of two split operands is dropped (2^-22).
-    Frozen, so that the DSL treats its use inside a run-time loop as a read."""
-
-    mma: cute.TiledMma
-    a_shape: object
-    b_shape: object
-    c_shape: object
-
-    @staticmethod
-    def of(lane):
-        mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaTF32Op((16, 8, 8)))
-        thr = mma.get_slice(lane)
-        return WarpMma(mma, thr.partition_shape_A((16, 8)), thr.partition_shape_B((8, 8)),
-                       thr.partition_shape_C((16, 8)))
-
-    def zeros(self):
-        acc = cute.make_rmem_tensor(self.c_shape, Float32)
-        acc.fill(0.0)
-        return acc
-
-    def _fragment(self, shape, values):
-        frag = cute.make_rmem_tensor(shape, TFloat32)
-        for i, v in enumerate(values):
-            frag[i] = v.to(TFloat32)
-        return frag
-
-    def __call__(self, acc, a_parts, b_parts):
-        for i, a in enumerate(a_parts):
-            for j, b in enumerate(b_parts):
-                if i + j < 2:
-                    cute.gemm(self.mma, acc, self._fragment(self.a_shape, a), self._fragment(self.b_shape, b), acc)
-
-
-def issue_chunk(row, col, vec, n_cols):
-    """Starts loading `vec` elements of a row from `col` (a multiple of vec, clamped into the row). The values
-    are read from the returned fragment only when needed (chunk_values), so loads issued together overlap."""
-    src = cute.local_tile(row, (vec,), (cutlass.min(col, n_cols - vec) // vec,))
-    frag = cute.make_rmem_tensor_like(src)
-    cute.autovec_copy(src, frag)
-    return frag
-
-
-def chunk_values(frag, keep):
-    """A loaded fragment as fp32 values, times keep (0.0 for a chunk outside the data)."""
-    vals = frag.load().to(Float32)
-    return [vals[i] * keep for i in range(cute.size(frag))]
-
-
-def flag(cond):
-    """1.0 where cond holds, else 0.0."""
-    return Float32(cutlass.select_(cond, Float32(1.0), Float32(0.0)))
-
-
-def _phi_at(mPhi, k, j, n):
-    """phi[k, j] as fp32, 0 for the padding columns j >= n."""
-    return Float32(cutlass.select_(j < n, mPhi[k, cutlass.min(j, n - 1)].to(Float32), Float32(0.0)))
-
-
-def _dot(a, b):
-    return sum((x * y for x, y in zip(a[1:], b[1:])), a[0] * b[0])
-
-
-def _row_values(t, row):
-    """Row `row` of a matrix with a static column count, as fp32 values (one vectorized load)."""
-    src = t[row, None]
-    frag = cute.make_rmem_tensor_like(src)
-    cute.autovec_copy(src, frag)
-    vals = frag.load().to(Float32)
-    return [vals[j] for j in range(cute.size(src))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,8 +148,8 @@ class MixPartials:
                 x_frags, phi_frags, keep = loads[d]
                 xs = [chunk_values(f, keep) for f in x_frags]
                 ps = [chunk_values(f, 1.0) for f in phi_frags]
-                sumsq0 += _dot(xs[0], xs[0])
-                sumsq1 += _dot(xs[1], xs[1])
+                sumsq0 += dot(xs[0], xs[0])
+                sumsq1 += dot(xs[1], xs[1])
                 for s in cutlass.range_constexpr(vec // 2):
                     a = tf32_parts([xs[0][2 * s], xs[1][2 * s], xs[0][2 * s + 1], xs[1][2 * s + 1]], self.x_mode)
                     for p in cutlass.range_constexpr(tiles):
@@ -369,7 +200,7 @@ class Epilogue:
             total = cute.make_rmem_tensor(cute.make_layout(n + 1), Float32)
             total.fill(0.0)
             for part in cutlass.range(n_parts, unroll=1):
-                vals = _row_values(mWs, part * n_rows + row)
+                vals = row_values(mWs, part * n_rows + row)
                 for j in cutlass.range_constexpr(n + 1):
                     total[j] = total[j] + vals[j]
             rstd = cute.math.rsqrt(total[n] / Float32(n_cols) + rms_eps)
@@ -379,8 +210,8 @@ class Epilogue:
                 mMix[row, j] = mix[j]
             a_pre, a_post, a_res = mApre[0], mApost[0], mAres[0]
             for i in cutlass.range_constexpr(hc):
-                mPre[row, i] = _sigmoid(mix[i] * a_pre + mB[i]) + pre_eps
-                mPost[row, i] = _sigmoid(mix[hc + i] * a_post + mB[hc + i]) * post_mult
+                mPre[row, i] = sigmoid(mix[i] * a_pre + mB[i]) + pre_eps
+                mPost[row, i] = sigmoid(mix[hc + i] * a_post + mB[hc + i]) * post_mult
             L = [[mix[2 * hc + r * hc + c] * a_res + mB[2 * hc + r * hc + c] for c in range(hc)] for r in range(hc)]
             _, P, _, _ = sinkhorn(L, self.tmax, sinkhorn_eps)
             for r in cutlass.range_constexpr(hc):
@@ -424,7 +255,7 @@ class CoefficientBackward:
         row = block * PRODUCER_THREADS + tidx
         ok = row < n_rows
         src = cutlass.min(row, n_rows - 1)
-        mix = _row_values(mMix, src)
+        mix = row_values(mMix, src)
         rstd = mRstd[src]
         b = [mB[j] for j in range(n)]
         alphas = (mApre[0], mApost[0], mAres[0])
@@ -432,17 +263,17 @@ class CoefficientBackward:
         # du: d loss / d (mix * alpha + b), segment by segment
         du = [Float32(0.0)] * n
         if cutlass.const_expr(has_pre):
-            g = _row_values(mGpre, src)
+            g = row_values(mGpre, src)
             for i in cutlass.range_constexpr(hc):
-                s = _sigmoid(mix[i] * alphas[0] + b[i])
+                s = sigmoid(mix[i] * alphas[0] + b[i])
                 du[i] = g[i] * s * (1.0 - s)
         if cutlass.const_expr(has_post):
-            g = _row_values(mGpost, src)
+            g = row_values(mGpost, src)
             for i in cutlass.range_constexpr(hc):
-                s = _sigmoid(mix[hc + i] * alphas[1] + b[hc + i])
+                s = sigmoid(mix[hc + i] * alphas[1] + b[hc + i])
                 du[hc + i] = g[i] * post_mult * s * (1.0 - s)
         if cutlass.const_expr(has_res):
-            g = _row_values(mGres, src)
+            g = row_values(mGres, src)
             L = [[mix[2 * hc + r * hc + c] * alphas[2] + b[2 * hc + r * hc + c] for c in range(hc)]
                  for r in range(hc)]
             dL = sinkhorn_backward(*sinkhorn(L, self.tmax, sinkhorn_eps),
@@ -457,7 +288,7 @@ class CoefficientBackward:
         if ok:
             for j in cutlass.range_constexpr(len(gz)):
                 mGz[row, j] = gz[j]
-            mCoef[row] = rstd * rstd / Float32(n_cols) * _dot(grad_mix, mix)
+            mCoef[row] = rstd * rstd / Float32(n_cols) * dot(grad_mix, mix)
 
         keep = Float32(cutlass.select_(ok, Float32(1.0), Float32(0.0)))  # rows past the end add nothing
         seg_sums = [Float32(0.0)] * 3
@@ -506,7 +337,7 @@ class MatmulBackward:
         col_ok = col < n_cols
         src_col = cutlass.min(col, n_cols - vec)
         # grad_x^T's A operand, phi[column, j], the same for every row
-        phi_a = [[tf32_parts([_phi_at(mPhi, src_col + 2 * q + r, 8 * p + t + k, n) for k in (0, 4) for r in (0, 1)],
+        phi_a = [[tf32_parts([masked_at(mPhi, src_col + 2 * q + r, 8 * p + t + k, n) for k in (0, 4) for r in (0, 1)],
                              self.phi_mode) for p in range(tiles)] for q in range(quads)]
         acc = [[mma.zeros() for _ in range(tiles)] for _ in range(quads)]
 
