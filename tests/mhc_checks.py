@@ -71,3 +71,12 @@ def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, Tru
         limit = (rel_tol or REL_TOL[dtype]) + 2 * rel_err(w.to(g.dtype), w)
         assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
     return args, grads, outs, got
+
+
+def check_empty_batch(mhc):
+    """No rows: outputs of the right shapes, zero parameter gradients."""
+    args = inputs(0, 4, 8)
+    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
+    assert [tuple(o.shape) for o in outs] == [(0, 4), (0, 4), (0, 4, 4), (0, 24), (0,)]
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(0, 4), hc=4, tmax=3)
+    assert got[0].shape == (0, 32) and not got[1].any() and not got[2].any()

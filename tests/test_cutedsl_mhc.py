@@ -19,7 +19,7 @@ from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _mhc_rows, mhc  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from liger_dispatch.table import TABLE  # noqa: E402
-from mhc_checks import GRAD_NAMES, OPTIONS, check_mhc, inputs, upstream  # noqa: E402
+from mhc_checks import GRAD_NAMES, OPTIONS, check_empty_batch, check_mhc, inputs  # noqa: E402
 from test_cutedsl_kernels import _cubin_resources  # noqa: E402
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -171,8 +171,4 @@ def test_gpu_backward_is_deterministic():
 
 @pytest.mark.gpu
 def test_gpu_empty_batch():
-    args = inputs(0, 4, 8)
-    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
-    assert [tuple(o.shape) for o in outs] == [(0, 4), (0, 4), (0, 4, 4), (0, 24), (0,)]
-    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(0, 4), hc=4, tmax=3)
-    assert got[0].shape == (0, 32) and not got[1].any() and not got[2].any()
+    check_empty_batch(mhc)

@@ -18,7 +18,7 @@ if not torch.cuda.is_available() and __name__ != "__main__":  # run as a script:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 from liger_dispatch.backends.triton import mhc  # noqa: E402
-from mhc_checks import (DEVICE, GRAD_NAMES, OPTIONS, REL_TOL, check_mhc, inputs, reference,  # noqa: E402
+from mhc_checks import (GRAD_NAMES, OPTIONS, REL_TOL, check_empty_batch, check_mhc, inputs, reference,  # noqa: E402
                         rel_err, upstream)
 
 
@@ -99,11 +99,7 @@ def test_backward_is_deterministic():
 
 
 def test_empty_batch():
-    args = inputs(0, 4, 8)
-    outs = mhc.mhc_coeff_fwd(*args, hc=4, tmax=3)
-    assert [tuple(o.shape) for o in outs] == [(0, 4), (0, 4), (0, 4, 4), (0, 24), (0,)]
-    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *upstream(0, 4), hc=4, tmax=3)
-    assert got[0].shape == (0, 32) and not got[1].any() and not got[2].any()
+    check_empty_batch(mhc)
 
 
 def test_capability_rejects_unsupported_hc():
