@@ -134,6 +134,10 @@ class RowTiles:
         frag.store(values.to(dst.element_type))
         cute.copy(self.store_copy, frag, dst, pred=pred, **self._policy(False))
 
+    def span(self):
+        """(full tiles of the row, whether a partial tile follows them)."""
+        return self.n_cols // self.tile, self.n_cols % self.tile != 0
+
     def columns(self, k):
         """Column index of each element of tile k (TensorSSA of Int32)."""
         coords = self.thr_load.partition_S(self._tile(self.c_row, k))
@@ -205,6 +209,13 @@ def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     return tuple(
         cute.arch.warp_reduction(buf[lane % warps, slot + j], operator.add, threads_in_group=warps) for j in range(n)
     )
+
+
+def label_ignored(mLabels, row, ignore_index):
+    """Whether the row's label is ignore_index; never without labels (mLabels None)."""
+    if const_expr(mLabels is None):
+        return Boolean(False)
+    return mLabels[row] == ignore_index
 
 
 @cute.jit

@@ -53,8 +53,7 @@ class CrossEntropyKernel:
         buf = _row.reduction_buffer(self.tuning.warps, 3)
         tiles = RowTiles.of(mX, row, tidx, self.vec, self.tuning)
         n_cols = mX.shape[1]
-        n_full = n_cols // self.tile
-        tail = n_cols % self.tile != 0
+        n_full, tail = tiles.span()
         target = mTarget[row]
         loss = Float32(0.0)
 

@@ -11,7 +11,7 @@ The gradient w.r.t. the student logits carries 1/T and grad_scale; the teacher i
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
@@ -32,10 +32,9 @@ def beta_case(beta):
 
 
 class JSDKernel:
-    def __init__(self, vec, tuning, case, has_labels, has_scale):
+    def __init__(self, vec, tuning, case, has_scale):
         self.vec = vec
         self.case = case
-        self.has_labels = has_labels
         self.has_scale = has_scale
         self.tuning = tuning
         self.tile = tuning.tile(vec)
@@ -72,12 +71,8 @@ class JSDKernel:
         buf = _row.reduction_buffer(self.tuning.warps, 6)
         student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
         teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
-        n_cols = mS.shape[1]
-        n_full = n_cols // self.tile
-        tail = n_cols % self.tile != 0
-        ignored = Boolean(False)
-        if const_expr(self.has_labels):
-            ignored = mLabels[row] == ignore_index
+        n_full, tail = student.span()
+        ignored = _row.label_ignored(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
         if ignored:
@@ -161,7 +156,7 @@ class JSDKernel:
 def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = JSDKernel(vec, tuning, case, label_dtype is not None, has_scale)
+    kernel = JSDKernel(vec, tuning, case, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),

@@ -7,7 +7,7 @@ dL/ds_j = softmax_j * Q - q_j (times 1/T and grad_scale) over the student logits
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
@@ -23,10 +23,9 @@ EPS_FLOOR = 1.1754944e-38
 
 
 class KLDivKernel:
-    def __init__(self, vec, tuning, log_target, has_labels, has_scale):
+    def __init__(self, vec, tuning, log_target, has_scale):
         self.vec = vec
         self.log_target = log_target
-        self.has_labels = has_labels
         self.has_scale = has_scale
         self.tuning = tuning
         self.tile = tuning.tile(vec)
@@ -58,12 +57,8 @@ class KLDivKernel:
         buf = _row.reduction_buffer(self.tuning.warps, 5)
         student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
         target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
-        n_cols = mS.shape[1]
-        n_full = n_cols // self.tile
-        tail = n_cols % self.tile != 0
-        ignored = Boolean(False)
-        if const_expr(self.has_labels):
-            ignored = mLabels[row] == ignore_index
+        n_full, tail = student.span()
+        ignored = _row.label_ignored(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
         if ignored:
@@ -119,7 +114,7 @@ class KLDivKernel:
 def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = KLDivKernel(vec, tuning, log_target, label_dtype is not None, has_scale)
+    kernel = KLDivKernel(vec, tuning, log_target, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
