@@ -3,6 +3,13 @@
 import torch
 
 
+def forward_outputs(M, hc, device):
+    """The outputs of mhc_coeff_fwd, fp32: (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc], mix [M, n], rstd [M])."""
+    n = hc * hc + 2 * hc
+    return tuple(torch.empty(*shape, device=device, dtype=torch.float32)
+                 for shape in ((M, hc), (M, hc), (M, hc, hc), (M, n), (M,)))
+
+
 def backward_results(x, phi, n):
     """The outputs of mhc_coeff_bwd: (grad_x, grad_phi, grad_b_alpha, results).
 

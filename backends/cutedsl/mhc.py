@@ -38,7 +38,7 @@ from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
-from .._mhc import backward_results
+from .._mhc import backward_results, forward_outputs
 from . import _row
 from ._mhc_rows import dot, sigmoid, sinkhorn, sinkhorn_backward
 from ._support import CUTE_DTYPE, Launcher, cache, capability, compile_kernel, pick_vec
@@ -89,9 +89,13 @@ def _n(hc):
     return hc * hc + 2 * hc
 
 
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 def _tiles(n):
     """n8 MMA tiles covering n columns."""
-    return -(-n // 8)
+    return _cdiv(n, 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,8 +506,8 @@ def _num_sms(device):
 
 def forward_splits(M, K, vec, n_sms, warps_per_sm):
     """K splits of the forward: as many as keep the warps within warps_per_sm an SM, 4 k-blocks a split at least."""
-    warps = -(-M // MMA_ROWS)
-    k_blocks = -(-K // (4 * vec))
+    warps = _cdiv(M, MMA_ROWS)
+    k_blocks = _cdiv(K, 4 * vec)
     return max(1, min(warps_per_sm * n_sms // warps, k_blocks // 4))
 
 
@@ -517,11 +521,10 @@ def forward_cols(K, align, most):
 
 def matmul_groups(M, K, vec, n_sms, warps_per_sm):
     """(row groups, rows per group, a multiple of 8) of the MM/RMS backward: about warps_per_sm warps an SM."""
-    col_blocks = -(-K // (MM_WARPS * 8 * vec))
-    wanted = max(1, min(-(-warps_per_sm * n_sms // (col_blocks * MM_WARPS)), -(-M // 8)))
-    rows = -(-M // wanted)
-    rows = -(-rows // 8) * 8
-    return -(-M // rows), rows
+    col_blocks = _cdiv(K, MM_WARPS * 8 * vec)
+    wanted = max(1, min(_cdiv(warps_per_sm * n_sms, col_blocks * MM_WARPS), _cdiv(M, 8)))
+    rows = _cdiv(_cdiv(M, wanted), 8) * 8
+    return _cdiv(M, rows), rows
 
 
 def matmul_vec(K, n, max_vec, *rows):
@@ -556,16 +559,14 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = _n(hc), x.device
-    pre, post = torch.empty(M, hc, device=dev, dtype=_F32), torch.empty(M, hc, device=dev, dtype=_F32)
-    res = torch.empty(M, hc, hc, device=dev, dtype=_F32)
-    mix, rstd = torch.empty(M, n, device=dev, dtype=_F32), torch.empty(M, device=dev, dtype=_F32)
+    pre, post, res, mix, rstd = forward_outputs(M, hc, dev)
     if M == 0:
         return pre, post, res, mix, rstd
     phi_t = phi.t().contiguous()
     align = pick_vec(K, x, phi_t)
     cols = forward_cols(K, align, launch.cols)
     splits = forward_splits(M, K, cols, _num_sms(dev), launch.warps_per_sm)
-    blocks_per_split = -(-(-(-K // (4 * cols))) // splits)
+    blocks_per_split = _cdiv(_cdiv(K, 4 * cols), splits)
     ws = torch.empty(splits * M, n + 1, device=dev, dtype=_F32)
     _mix_partials(x.dtype, phi.dtype, n, cols, align, launch.unroll)(x, phi_t, ws, blocks_per_split, splits)
     _epilogue(hc, tmax)(ws, splits, K, b, *_alphas(alpha_pre, alpha_post, alpha_res), pre, post,
@@ -592,7 +593,7 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     grads = (_grad(grad_h_pre, (M, hc)), _grad(grad_h_post, (M, hc)), _grad(grad_h_res, (M, hc * hc)))
     gz = torch.empty(M, 8 * _tiles(n), device=dev, dtype=_F32)
     coef = torch.empty(M, device=dev, dtype=_F32)
-    part = torch.empty(-(-M // PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
+    part = torch.empty(_cdiv(M, PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
     _coefficient_backward(hc, tmax, *(g is not None for g in grads))(
         mix.contiguous(), rstd.contiguous(), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
         float(sinkhorn_eps), float(post_mult))

@@ -20,6 +20,7 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
+from .._mhc import backward_results, forward_outputs
 from ._support import DOT_CAPABILITY, LOG2E, PRIORITY, Kernel, bucket, exp2, needs_int64
 
 # ---------------------------------------------------------------- Sinkhorn pieces (inlined by Helion)
@@ -236,10 +237,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
                   sinkhorn_eps=1e-6, post_mult=2.0):
     """x [M, K] -> (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc], mix [M, n], rstd [M]), fp32."""
     M, K = x.shape
-    n = phi.shape[1]
-    f32 = dict(dtype=torch.float32, device=x.device)
-    mix, rstd = torch.empty(M, n, **f32), torch.empty(M, **f32)
-    h_pre, h_post, h_res = torch.empty(M, hc, **f32), torch.empty(M, hc, **f32), torch.empty(M, hc, hc, **f32)
+    h_pre, h_post, h_res, mix, rstd = forward_outputs(M, hc, x.device)
     if M == 0:
         return h_pre, h_post, h_res, mix, rstd
     MIX(x, phi, mix, rstd, float(rms_eps), like=x, shape_key=(hc, bucket(K)), int64=needs_int64(x))
@@ -254,22 +252,17 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     """-> (grad_x in x.dtype, grad_phi in phi.dtype, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res)."""
     M, K = x.shape
     n = phi.shape[1]
-    grad_x, grad_phi = torch.empty_like(x), torch.empty_like(phi)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    gz = torch.empty(M, n, dtype=x.dtype, device=x.device)  # the dtype of the backward GEMMs' operands
-    coef = torch.empty(M, **f32)
-    part = torch.empty(M, n + 3, **f32)  # per row: grad_b partials, then the three alphas'
-    iterates = torch.empty(M, max(1, tmax - 1), hc, hc, **f32) if grad_h_res is not None else None
-    sums = torch.empty(n + 3, **f32)
-    if M == 0:
-        sums.zero_()
-        grad_x.zero_()
-        grad_phi.zero_()
-    else:
+    grad_x, grad_phi, sums, results = backward_results(x, phi, n)
+    if M > 0:
+        f32 = dict(dtype=torch.float32, device=x.device)
+        gz = torch.empty(M, n, dtype=x.dtype, device=x.device)  # the dtype of the backward GEMMs' operands
+        coef = torch.empty(M, **f32)
+        part = torch.empty(M, n + 3, **f32)  # per row: grad_b partials, then the three alphas'
+        iterates = torch.empty(M, max(1, tmax - 1), hc, hc, **f32) if grad_h_res is not None else None
         COEFF_GRADS(*_split(mix, hc), *_split(b, hc), alpha_pre, alpha_post, alpha_res, rstd,
                     grad_h_pre, grad_h_post, grad_h_res, *_split(gz, hc), coef, *_split(part[:, :n], hc),
                     part[:, n:], iterates, int(tmax), float(sinkhorn_eps), float(post_mult), 1.0 / K,
                     like=x, shape_key=hc, int64=needs_int64(iterates))
         SUM_PARTIALS(part, sums, like=x, shape_key=hc)
         MM_RMS_BACKWARD(x, phi, gz, coef, grad_x, grad_phi, like=x, shape_key=(hc, bucket(K)), int64=needs_int64(x))
-    return grad_x, grad_phi, sums[:n], sums[n], sums[n + 1], sums[n + 2]
+    return results

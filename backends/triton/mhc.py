@@ -28,7 +28,7 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
-from .._mhc import backward_results
+from .._mhc import backward_results, forward_outputs
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
 
 SUPPORTED_HC = (2, 4, 8)
@@ -525,11 +525,9 @@ def _config_key(config):
 
 
 class _FwdPlan:
-    __slots__ = ("shapes", "ws_shape", "main", "epilogue")
+    __slots__ = ("ws_shape", "main", "epilogue")
 
     def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config):
-        n = hc * hc + 2 * hc
-        self.shapes = ((M, hc), (M, hc), (M, hc, hc), (M, n), (M,))
         self.ws_shape = self.main = self.epilogue = None
         if M == 0:
             return
@@ -561,7 +559,7 @@ def mhc_coeff_fwd(
     dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype)
     plan = _plan(_FwdPlan, (*signature, dtypes, _config_key(config)), *signature, config)
     dev = x.device
-    pre, post, res, mix, rstd = (torch.empty(*shape, device=dev, dtype=_F32) for shape in plan.shapes)
+    pre, post, res, mix, rstd = forward_outputs(x.shape[0], hc, dev)
     if plan.main is None:
         return pre, post, res, mix, rstd
     target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res)
