@@ -111,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     header = " | ".join([columns.pop("date"), columns.pop("gpu"), f"`{columns.pop('command')}`",
                          *(f"{k} {v}" for k, v in columns.items()), f"matmul {tflops:.3g} TFLOP/s (measured now)"])
     console.print(header)
-    # The bytes floor plays no part here (copy_gbps); nothing is skipped (max_row_s, deadline).
-    settings = measure.Settings(device, args.warmup_ms, args.rep_ms, math.inf, math.inf, tflops, math.nan,
-                                timing.l2_bytes(device))
+    # nothing is skipped (max_row_s, deadline)
+    settings = measure.Settings(device, args.warmup_ms, args.rep_ms, math.inf, math.inf, timing.l2_bytes(device))
     rows = []
     for case in shapes.cases("flce", [args.shapes], args.n, None, [DTYPE], ["fwd+bwd"]):
         console.print(f"N={case.n} {case.describe()}: GEMMs, then the composition")

@@ -35,8 +35,6 @@ class Settings:
     rep_ms: float
     max_row_s: float  # skip a size predicted to keep one row busy longer than this
     deadline: float  # time.monotonic() after which the remaining rows are skipped
-    matmul_tflops: float
-    copy_gbps: float
     l2_bytes: int
     seed: int = 0
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
     settings = measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
-                                tflops, gbps, timing.l2_bytes(device), args.seed)
+                                timing.l2_bytes(device), args.seed)
     plan = _plan(args, device, console)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{env.gpu_short}.csv"
