@@ -13,10 +13,11 @@ launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, Optional
 
 import torch
+
+from liger_dispatch.selection import getenv
 
 DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
@@ -36,10 +37,10 @@ def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
-    forced = os.environ.get("LIGER_CHUNK_ROWS")
+    forced = getenv("LIGER_CHUNK_ROWS")
     if forced:
         return max(1, min(int(forced), n_rows))
-    budget = float(os.environ.get("LIGER_CHUNK_BUDGET_MB", DEFAULT_BUDGET_MB)) * 2**20
+    budget = float(getenv("LIGER_CHUNK_BUDGET_MB") or DEFAULT_BUDGET_MB) * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:
         return max(n_rows, 1)
@@ -124,7 +125,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def _valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
     """Non-ignored rows as an fp32 device scalar, at least 1 (all ignored -> loss 0, not NaN). No sync."""
     if labels is None:
-        return torch.tensor(float(max(n, 1)), device=device)
+        return torch.full((), float(max(n, 1)), device=device)
     return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
 
 
@@ -158,6 +159,11 @@ class _FusedLinearLoss(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callable:
+    """run_chunks' chunk_loss for a backend's ce_loss_and_grad."""
+    return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
+
+
 def compose_flce(kernel: Callable) -> Callable:
     """flce from a backend's ce_loss_and_grad."""
 
@@ -169,15 +175,14 @@ def compose_flce(kernel: Callable) -> Callable:
                        lse_square_scale=lse_square_scale)
         if reduction == "none":
             return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
-        count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-        scale = (1.0 / count) if reduction == "mean" else torch.ones((), device=x.device)
+        if reduction == "mean":
+            scale = 1.0 / _valid_count(labels, x.shape[0], ignore_index, x.device)
+        else:
+            scale = torch.ones((), device=x.device)
 
         def run(want_dx, want_dw, want_db):
-            def chunk_loss(logits, start, end, chunk_scale):
-                return kernel(logits, labels[start:end], grad_scale=chunk_scale, **options)
-
-            rows, dx, dw, db = run_chunks(x, weight, bias, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                          want_db=want_db, accum_dtype=accum_dtype)
+            rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
+                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype)
             loss = rows.sum() * scale
             return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
@@ -192,9 +197,8 @@ class _FlceNoReduction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
         ones = torch.ones((), device=x.device)
-        rows, _, _, _ = run_chunks(x, weight, bias, ones,
-                                   lambda logits, s, e, scale: kernel(logits, labels[s:e], grad_scale=scale, **options),
-                                   want_dx=False, want_dw=False, want_db=False)
+        rows, _, _, _ = run_chunks(x, weight, bias, ones, _ce_chunks(kernel, labels, options), want_dx=False,
+                                   want_dw=False, want_db=False)
         ctx.save_for_backward(x, weight, bias, labels)
         ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
         return rows
@@ -205,9 +209,7 @@ class _FlceNoReduction(torch.autograd.Function):
         scale = grad_rows.reshape(-1).to(torch.float32)
         want = ctx.needs_input_grad
         _, dx, dw, db = run_chunks(
-            x, weight, bias, scale,
-            lambda logits, s, e, chunk_scale: ctx.kernel(logits, labels[s:e], grad_scale=chunk_scale, **ctx.options),
-            want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
+            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
         return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
 
 

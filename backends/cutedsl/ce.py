@@ -138,7 +138,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
 
     tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
     """
-    loss, C, V = row_losses(logits=logits)
+    loss, C, V = row_losses(logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)

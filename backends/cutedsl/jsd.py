@@ -175,7 +175,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
 
     tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
     """
-    loss, C, V = row_losses(student_logits=student_logits, teacher_logits=teacher_logits)
+    loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)

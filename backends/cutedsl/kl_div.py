@@ -133,7 +133,7 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
 
     tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
     """
-    loss, C, V = row_losses(student_logits=student_logits, target=target)
+    loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)

@@ -97,7 +97,7 @@ KERNEL = Kernel(_ce, "ce_loss_and_grad", default_config)
 def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
                      lse_square_scale=0.0):
     """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
-    loss, C, V = row_losses(logits=logits)
+    loss, C, V = row_losses(logits)
     if C == 0:
         return loss
     KERNEL(

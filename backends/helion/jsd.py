@@ -171,7 +171,7 @@ MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
 def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
                       grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
-    loss, C, V = row_losses(student_logits=student_logits, teacher_logits=teacher_logits)
+    loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     args = (student_logits, teacher_logits, labels, row_scale(grad_scale, C, student_logits), loss,

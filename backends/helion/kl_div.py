@@ -80,7 +80,7 @@ KERNEL = Kernel(_kl_div, "kl_div_loss_and_grad", default_config)
 def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
                          log_target=False, grad_scale=None):
     """Per-row KL [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
-    loss, C, V = row_losses(student_logits=student_logits, target=target)
+    loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     KERNEL(

@@ -77,7 +77,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
 
     block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
     """
-    loss, C, V = row_losses(logits=logits)
+    loss, C, V = row_losses(logits)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)

@@ -128,7 +128,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
     The teacher is only read. block_size / num_warps / num_stages override the launch configuration (tests,
     tuning sweeps).
     """
-    loss, C, V = row_losses(student_logits=student_logits, teacher_logits=teacher_logits)
+    loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
