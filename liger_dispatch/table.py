@@ -18,6 +18,19 @@ REFERENCE = "reference"
 WHOLE_OP = "whole-op"
 
 
+class TensorSpec:
+    """The shape and dtype of a tensor a composition will make, for a kernel predicate to judge (probe)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape: tuple[int, ...], dtype) -> None:
+        self.shape = shape
+        self.dtype = dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """An abstract op.
@@ -26,8 +39,9 @@ class OpSpec:
         bad argument. Its signature is the op's signature.
     composed_of / compose: for user-level ops built from kernel-level ops; every backend that
         implements all of `composed_of` serves this op through `compose(*kernel_fns)`.
-    probe: maps a call of this op to the kernel-level call it will make (shapes and dtypes, with meta
-        tensors standing for buffers not made yet), so the kernel's capability predicate judges it.
+    probe: maps a call of this op to the kernel-level call it will make, with a TensorSpec standing for
+        each tensor the composition will make, so the kernel's capability predicate judges it. It runs on
+        every call where a predicate applies: predicates read only shapes and dtypes.
     """
 
     name: str
@@ -193,6 +207,10 @@ class OpTable:
         impl = self._composed.get(key)
         if impl is None:
             first = parts[0]
+            for part in parts[1:]:  # the composition answers for all of its parts with the first one's terms
+                if (part.capability, part.priority) != (first.capability, first.priority):
+                    raise ValueError(f"backend {backend!r} registers {part.op} and {first.op} with different "
+                                     f"capabilities or priorities; a composed {spec.name} needs them equal")
             capability = replace(first.capability, predicate=_probed(first.capability.predicate,
                                                                                 spec.probe))
             impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,

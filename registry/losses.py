@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from liger_dispatch import fused_linear
 from liger_dispatch.errors import InputError
-from liger_dispatch.table import TABLE, OpSpec
+from liger_dispatch.table import TABLE, OpSpec, TensorSpec
 from liger_dispatch.registry import checks as c
 
 
@@ -132,17 +134,24 @@ def check_kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_in
     _labels("labels", labels, n, vocab, ignore_index, class_values=False)
 
 
-def _meta_logits(input, weight, dtype=None):
-    return torch.empty(input.shape[:-1].numel(), weight.shape[0], dtype=dtype or input.dtype, device="meta")
+def _logits_spec(input, weight):
+    """The [rows, V] logits buffer a fused-linear composition makes."""
+    return TensorSpec((math.prod(input.shape[:-1]), weight.shape[0]), input.dtype)
 
 
-def _flat_labels(labels):
-    return None if labels is None else labels.reshape(-1)
+def _rows_by_last(t):
+    """t as the composition flattens it to 2-D, keeping its last dim."""
+    return TensorSpec((math.prod(t.shape[:-1]), t.shape[-1]), t.dtype)
+
+
+def _rows_spec(labels):
+    """Per-row labels as the composition passes them (flattened), or None."""
+    return None if labels is None else TensorSpec((labels.numel(),), labels.dtype)
 
 
 def probe_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                softcap=None, lse_square_scale=0.0, accum_dtype=None):
-    return ((_meta_logits(input, weight), target.reshape(-1)),
+    return ((_logits_spec(input, weight), _rows_spec(target)),
             dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                  lse_square_scale=lse_square_scale))
 
@@ -150,14 +159,13 @@ def probe_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction
 def probe_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                            jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
                            accum_dtype=None):
-    return ((_meta_logits(student_input, student_weight), _meta_logits(teacher_input, teacher_weight),
-             _flat_labels(shift_labels)), dict(beta=jsd_beta, ignore_index=ignore_index, temperature=temperature))
+    return ((_logits_spec(student_input, student_weight), _logits_spec(teacher_input, teacher_weight),
+             _rows_spec(shift_labels)), dict(beta=jsd_beta, ignore_index=ignore_index, temperature=temperature))
 
 
 def probe_fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
                               ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
-    return ((_meta_logits(student_input, student_weight), target.reshape(-1, target.shape[-1]),
-             _flat_labels(shift_labels)),
+    return ((_logits_spec(student_input, student_weight), _rows_by_last(target), _rows_spec(shift_labels)),
             dict(ignore_index=ignore_index, temperature=temperature, eps=eps, log_target=log_target))
 
 

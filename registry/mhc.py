@@ -9,7 +9,7 @@ import torch
 from liger_dispatch.errors import InputError
 from liger_dispatch.mhc import compose_mhc
 from liger_dispatch.registry import checks as c
-from liger_dispatch.table import TABLE, OpSpec
+from liger_dispatch.table import TABLE, OpSpec, TensorSpec
 
 def streams_of(phi: torch.Tensor) -> int:
     """HC from phi's column count HC^2 + 2 HC."""
@@ -83,7 +83,7 @@ def check_mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, 
 def probe_mhc_coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
                      sinkhorn_eps=1e-6, post_mult=2.0):
     hc, channels = x.shape[-2], x.shape[-1]
-    rows = torch.empty(x.shape[:-2].numel(), hc * channels, dtype=x.dtype, device="meta")
+    rows = TensorSpec((math.prod(x.shape[:-2]), hc * channels), x.dtype)
     return ((rows, phi, b, alpha_pre, alpha_post, alpha_res),
             dict(hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult))
 

@@ -136,6 +136,17 @@ def test_third_party_backend_by_decorator_serves_the_composed_user_op(isolated_t
     assert "mine" in ld.registered_backends("fused_linear_jsd")
 
 
+def test_composition_requires_its_parts_to_agree(isolated_table):
+    """mhc_coeffs is served under mhc_coeff_fwd's capability and priority: mhc_coeff_bwd must register the same."""
+    from liger_dispatch.backends.reference import mhc
+
+    cap = ld.Capability(devices=("cpu",))
+    ld.register_backend("mhc_coeff_fwd", backend="split", priority=5, capability=cap)(mhc.mhc_coeff_fwd)
+    ld.register_backend("mhc_coeff_bwd", backend="split", priority=6, capability=cap)(mhc.mhc_coeff_bwd)
+    with pytest.raises(ValueError, match="different capabilities or priorities"):
+        isolated_table.candidates("mhc_coeffs")
+
+
 def test_discovery_failure_is_recorded_and_does_not_break_others(isolated_table):
     ld.declare_op_locations("ce_loss_and_grad", {"broken": "liger_dispatch_no_such_module.ce"})
     assert "broken" in ld.registered_backends("flce")
