@@ -29,7 +29,7 @@ def _module_missing(name: str) -> bool:
         return True
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
@@ -67,8 +67,8 @@ class Capability:
         if self.dtypes is not None:
             for dtype in dtypes:
                 if dtype not in self.dtypes:
-                    accepted = ", ".join(_dtype_name(d) for d in self.dtypes)
-                    return f"does not support {_dtype_name(dtype)} (supports {accepted})"
+                    accepted = ", ".join(dtype_name(d) for d in self.dtypes)
+                    return f"does not support {dtype_name(dtype)} (supports {accepted})"
         for module in self.modules:
             if _module_missing(module):
                 return f"module '{module}' is not installed"

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from liger_dispatch.capability import dtype_name
+
 
 def _dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
@@ -35,7 +37,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     console = Console(width=max(Console().width, 150))
     backends = TABLE.backend_names()
     gpu = torch.cuda.get_device_name() if device == "cuda" else "no GPU"
-    table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {str(dtype).replace('torch.', '')}",
+    table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}",
                   show_lines=True)
     table.add_column("op")
     for backend in backends:
@@ -51,7 +53,8 @@ def matrix(device: str, dtype: torch.dtype) -> None:
                     cells.append("[green]available[/green]")
                 else:
                     cells.append(f"[yellow]{_short(status[backend])}[/yellow]")
-            table.add_row(name + ("" if level == "user" else " [dim](kernel)[/dim]"), *cells)
+            label = name + ("" if level == "user" else " [dim](kernel)[/dim]")
+            table.add_row(f"{label}\n[dim]{TABLE.spec(name).summary}[/dim]", *cells)
     console.print(table)
     for name in TABLE.op_names("user"):
         usable = ld.available_backends(name, device=device, dtype=dtype)

@@ -9,6 +9,7 @@ import time
 import torch
 
 from liger_dispatch import dispatch
+from liger_dispatch.capability import dtype_name
 from liger_dispatch.nn import FusedLinearCrossEntropyLoss, FusedLinearJSDLoss, FusedLinearKLDivLoss, MHCCoeffs
 
 STREAMS = 4
@@ -73,7 +74,7 @@ def run(steps: int = 30, device: str = "cpu", dtype: torch.dtype = torch.float32
     on_gpu = device.startswith("cuda")
     vocab, hidden, batch, seq = (32000, 1024, 8, 512) if on_gpu else (512, 64, 4, 32)
     print(f"liger-dispatch demo on {device} ({torch.cuda.get_device_name() if on_gpu else 'CPU'}), "
-          f"{str(dtype).replace('torch.', '')}: V={vocab} H={hidden} batch={batch}x{seq}, distillation by {distill}")
+          f"{dtype_name(dtype)}: V={vocab} H={hidden} batch={batch}x{seq}, distillation by {distill}")
     student = Student(vocab, hidden, device, dtype)
     teacher_embed, teacher_weight = _teacher(vocab, hidden, device, dtype)
     ce = FusedLinearCrossEntropyLoss(label_smoothing=0.0)

@@ -18,6 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError
 from liger_dispatch.table import REFERENCE, TABLE, Impl
 
@@ -231,7 +232,7 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
     device, dtypes = call_signature(args, kwargs)
     dtypes = _floating(dtypes)
     res = resolve_static(op, pinned, device, dtypes)
-    lines = [f"op {op} on {device} ({', '.join(str(d).replace('torch.', '') for d in dtypes) or 'no float tensors'}); "
+    lines = [f"op {op} on {device} ({', '.join(dtype_name(d) for d in dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
     chosen = None
     late: list[Rejection] = []

@@ -3,12 +3,12 @@
 import torch
 
 from liger_dispatch import Capability
+from liger_dispatch.registry.checks import FLOAT_DTYPES
 
 from .formulas import compute_dtype
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# the reference runs everywhere: the spec, and the last fallback
-CAPABILITY = Capability(devices=("cpu", "cuda"), dtypes=DTYPES)
+# the reference runs everywhere, on every dtype the checks accept: the spec, and the last fallback
+CAPABILITY = Capability(devices=("cpu", "cuda"), dtypes=FLOAT_DTYPES)
 PRIORITY = 100
 
 
