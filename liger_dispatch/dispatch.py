@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from liger_dispatch import selection
-from liger_dispatch.table import REFERENCE, TABLE, Impl
+from liger_dispatch.table import TABLE, Impl, reference_last
 
 
 class Explanation:
@@ -95,5 +95,4 @@ def available_backends(op_name: str, device: Union[str, torch.device] = "cuda",
     name = TABLE.canonical(op_name)
     status = backend_status(name, device, dtype)
     best_first = dict.fromkeys(i.backend for i in TABLE.candidates(name))  # candidates are sorted by priority
-    usable = [b for b in best_first if status.get(b, "") is None]
-    return [b for b in usable if b != REFERENCE] + [b for b in usable if b == REFERENCE]
+    return reference_last([b for b in best_first if status.get(b, "") is None])

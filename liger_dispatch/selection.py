@@ -20,7 +20,7 @@ import torch
 
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError
-from liger_dispatch.table import REFERENCE, TABLE, Impl
+from liger_dispatch.table import REFERENCE, TABLE, Impl, reference_last
 
 _local = threading.local()
 _warned: set[tuple[str, str, str]] = set()
@@ -153,7 +153,7 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
         order = [i for name in requested for i in capable if i.backend == name]
         order += [i for i in capable if i.backend == REFERENCE and i not in order]
     else:
-        order = [i for i in capable if i.backend != REFERENCE] + [i for i in capable if i.backend == REFERENCE]
+        order = reference_last(capable, lambda i: i.backend)
     return Resolution(op, source, requested, tuple(order), tuple(rejected))
 
 

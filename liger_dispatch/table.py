@@ -18,6 +18,11 @@ REFERENCE = "reference"
 WHOLE_OP = "whole-op"
 
 
+def reference_last(items: list, backend: Callable = lambda item: item) -> list:
+    """items in their order, but the reference backend's last: it serves only as the fallback."""
+    return [i for i in items if backend(i) != REFERENCE] + [i for i in items if backend(i) == REFERENCE]
+
+
 class TensorSpec:
     """The shape and dtype of a tensor a composition will make, for a kernel predicate to judge (probe)."""
 
