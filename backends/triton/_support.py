@@ -108,8 +108,27 @@ def load_scale(SCALE, scale_stride, row, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def zero_row(X, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+def label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS: tl.constexpr):
+    """Whether the row's label is ignore_index; never without labels."""
+    if HAS_LABELS:
+        return tl.load(LABELS + row * label_stride) == ignore_index
+    else:
+        return False
+
+
+@triton.jit
+def load_pair(S, T, start, cols, n_cols: tl.constexpr, to_log2, POLICY: tl.constexpr):
+    """load_block of the same columns of two rows, both times to_log2, and the mask of the real columns."""
+    s, mask = load_block(S, start, cols, n_cols, POLICY)
+    t, _ = load_block(T, start, cols, n_cols, POLICY)
+    return s * to_log2, t * to_log2, mask
+
+
+@triton.jit
+def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    """An ignored row: gradient 0 over the whole row, loss 0."""
     cols = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], X.dtype.element_ty)
     for start in range(0, n_cols, BLOCK):
         tl.store(X + start + cols, zeros, mask=start + cols < n_cols)
+    tl.store(LOSS + row, 0.0)

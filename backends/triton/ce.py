@@ -23,8 +23,7 @@ def _ce_kernel(
     X += row * x_stride
     y = tl.load(Y + row * y_stride)
     if y == ignore_index:
-        zero_row(X, V, BLOCK)
-        tl.store(LOSS + row, 0.0)
+        zero_row(X, LOSS, row, V, BLOCK)
         return
 
     cols = tl.arange(0, BLOCK)

@@ -14,7 +14,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -30,11 +30,9 @@ def _jsd_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     T += row * t_stride
-    if HAS_LABELS:
-        if tl.load(LABELS + row * label_stride) == ignore_index:
-            zero_row(S, V, BLOCK)
-            tl.store(LOSS + row, 0.0)
-            return
+    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+        zero_row(S, LOSS, row, V, BLOCK)
+        return
 
     # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
     cols = tl.arange(0, BLOCK)
@@ -45,10 +43,7 @@ def _jsd_kernel(
     # FORWARD_KL: sum_j exp2(t2_j - m_t) (t2_j - s2_j); REVERSE_KL: the same with s and t swapped.
     acc = tl.zeros([BLOCK], tl.float32)
     for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        s2, mask = load_block(S, start, cols, V, "evict_last")
-        t2, _ = load_block(T, start, cols, V, "evict_last")
-        s2 *= to_log2
-        t2 *= to_log2
+        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
         m_s, alpha_s, e_s = online_softmax_step(m_s, tl.where(mask, s2, -float("inf")))
         m_t, alpha_t, e_t = online_softmax_step(m_t, tl.where(mask, t2, -float("inf")))
         d_s = d_s * alpha_s + e_s
@@ -68,10 +63,7 @@ def _jsd_kernel(
         # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
         tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, mask = load_block(S, start, cols, V, "evict_first")
-            t2, _ = load_block(T, start, cols, V, "evict_first")
-            s2 *= to_log2
-            t2 *= to_log2
+            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
     elif MODE == 1:
@@ -80,10 +72,7 @@ def _jsd_kernel(
         tl.store(LOSS + row, kl2 * LN2)
         shift = lse_s - lse_t + kl2
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, mask = load_block(S, start, cols, V, "evict_first")
-            t2, _ = load_block(T, start, cols, V, "evict_first")
-            s2 *= to_log2
-            t2 *= to_log2
+            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
     else:
@@ -92,10 +81,7 @@ def _jsd_kernel(
         loss = tl.zeros([BLOCK], tl.float32)
         cross = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, mask = load_block(S, start, cols, V, "evict_last")
-            t2, _ = load_block(T, start, cols, V, "evict_last")
-            s2 *= to_log2
-            t2 *= to_log2
+            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
             ls2 = s2 - lse_s
             lt2 = t2 - lse_t
             q = tl.exp2(ls2)
@@ -109,10 +95,7 @@ def _jsd_kernel(
         cross2 = tl.sum(cross, 0)
         g_mult = scale * (1.0 - beta) * LN2
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, mask = load_block(S, start, cols, V, "evict_first")
-            t2, _ = load_block(T, start, cols, V, "evict_first")
-            s2 *= to_log2
-            t2 *= to_log2
+            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             ls2 = s2 - lse_s
             q = tl.exp2(ls2)
             lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))

@@ -12,7 +12,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    label_ignored, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
 
@@ -36,11 +36,9 @@ def _kl_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     Q += row * q_stride
-    if HAS_LABELS:
-        if tl.load(LABELS + row * label_stride) == ignore_index:
-            zero_row(S, V, BLOCK)
-            tl.store(LOSS + row, 0.0)
-            return
+    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+        zero_row(S, LOSS, row, V, BLOCK)
+        return
 
     cols = tl.arange(0, BLOCK)
     m = -float("inf")
