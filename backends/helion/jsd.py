@@ -1,4 +1,5 @@
-"""Generalized JSD between student and teacher logits: loss and student gradient as one Helion kernel per beta.
+"""Generalized JSD between student and teacher logits: loss and student gradient in a Helion kernel, one for
+beta = 0 or 1 and one for the mixtures.
 
 All logs are base 2 in the kernels: s2 = student * log2(e) / T, t2 likewise; ls2 = log2 q, lt2 = log2 p.
 beta = 0 (KL(p||q)) and beta = 1 (KL(q||p)) take 2 passes over each row: their loss is an expectation the online
@@ -29,11 +30,12 @@ def _valid_rows(labels, tile_c, ignore_index):
     return hl.full([tile_c], 1, dtype=torch.int32) != 0
 
 
-def _forward_kl(
+def _kl_pair(
     student: torch.Tensor, teacher: torch.Tensor, labels: Optional[torch.Tensor], scale: torch.Tensor,
-    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float,
+    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float, reverse: hl.constexpr,
 ) -> None:
-    """beta = 0: KL(p||q) = E_p[t2 - s2] - lse_t + lse_s (times ln 2); dL/ds = q - p."""
+    """beta = 0 (not reverse): KL(p||q) = E_p[t2 - s2] - lse_t + lse_s (times ln 2); dL/ds = q - p.
+    beta = 1 (reverse): KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = KL2; dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)."""
     C, V = student.shape
     block_c = hl.register_block_size(C)
     block_v = hl.register_block_size(V)
@@ -44,7 +46,7 @@ def _forward_kl(
         m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
         d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
         d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
-        e_p_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        e_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)  # E_p[t2 - s2], or E_q[s2 - t2] when reverse
         for tile_v in hl.tile(V, block_size=block_v):
             s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
             t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
@@ -53,55 +55,31 @@ def _forward_kl(
             m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
             d_s = d_s * alpha_s + e_s
             d_t = d_t * alpha_t + e_t
-            e_p_diff = e_p_diff * alpha_t + e_t * (t2 - s2)
-        sum_t = torch.sum(d_t, dim=1)
-        lse_s = m_s + log2(torch.sum(d_s, dim=1))
-        lse_t = m_t + log2(sum_t)
-        loss[tile_c] = torch.where(valid, (torch.sum(e_p_diff, dim=1) / sum_t - lse_t + lse_s) * LN2, 0.0)
-        g_scale = torch.where(valid, scale[tile_c], 0.0) * grad_mult
-        for tile_v in hl.tile(V, block_size=block_v):
-            s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2
-            t2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2
-            g = g_scale[:, None] * (exp2(s2 - lse_s[:, None]) - exp2(t2 - lse_t[:, None]))
-            student[tile_c, tile_v] = g.to(student.dtype)
-
-
-def _reverse_kl(
-    student: torch.Tensor, teacher: torch.Tensor, labels: Optional[torch.Tensor], scale: torch.Tensor,
-    loss: torch.Tensor, ignore_index: int, to_log2: float, grad_mult: float,
-) -> None:
-    """beta = 1: KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = KL2; dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)."""
-    C, V = student.shape
-    block_c = hl.register_block_size(C)
-    block_v = hl.register_block_size(V)
-    for tile_c in hl.tile(C, block_size=block_c):
-        valid = _valid_rows(labels, tile_c, ignore_index)
-        row_mask = valid[:, None]  # ignored rows are never read
-        m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
-        m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
-        d_s = hl.zeros([tile_c, block_v], dtype=torch.float32)
-        d_t = hl.zeros([tile_c, block_v], dtype=torch.float32)
-        e_q_diff = hl.zeros([tile_c, block_v], dtype=torch.float32)
-        for tile_v in hl.tile(V, block_size=block_v):
-            s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
-            t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
-            in_row = tile_v.index[None, :] < V
-            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
-            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
-            d_s = d_s * alpha_s + e_s
-            d_t = d_t * alpha_t + e_t
-            e_q_diff = e_q_diff * alpha_s + e_s * (s2 - t2)
+            if reverse:
+                e_diff = e_diff * alpha_s + e_s * (s2 - t2)
+            else:
+                e_diff = e_diff * alpha_t + e_t * (t2 - s2)
         sum_s = torch.sum(d_s, dim=1)
         lse_s = m_s + log2(sum_s)
-        lse_t = m_t + log2(torch.sum(d_t, dim=1))
-        kl2 = torch.sum(e_q_diff, dim=1) / sum_s - lse_s + lse_t
+        sum_t = torch.sum(d_t, dim=1)
+        lse_t = m_t + log2(sum_t)
+        if reverse:
+            kl2 = torch.sum(e_diff, dim=1) / sum_s - lse_s + lse_t
+        else:
+            kl2 = torch.sum(e_diff, dim=1) / sum_t - lse_t + lse_s
         loss[tile_c] = torch.where(valid, kl2 * LN2, 0.0)
-        g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * LN2)
-        shift = lse_s - lse_t + kl2
+        if reverse:
+            g_scale = torch.where(valid, scale[tile_c], 0.0) * (grad_mult * LN2)
+            shift = lse_s - lse_t + kl2
+        else:
+            g_scale = torch.where(valid, scale[tile_c], 0.0) * grad_mult
         for tile_v in hl.tile(V, block_size=block_v):
             s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2
             t2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2
-            g = g_scale[:, None] * exp2(s2 - lse_s[:, None]) * (s2 - t2 - shift[:, None])
+            if reverse:
+                g = g_scale[:, None] * exp2(s2 - lse_s[:, None]) * (s2 - t2 - shift[:, None])
+            else:
+                g = g_scale[:, None] * (exp2(s2 - lse_s[:, None]) - exp2(t2 - lse_t[:, None]))
             student[tile_c, tile_v] = g.to(student.dtype)
 
 
@@ -162,8 +140,7 @@ def default_config(v_bucket: int) -> dict:
     return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v // 256)), "num_stages": 1}
 
 
-FORWARD_KL = Kernel(_forward_kl, "jsd_loss_and_grad", default_config)
-REVERSE_KL = Kernel(_reverse_kl, "jsd_loss_and_grad", default_config)
+KL_PAIR = Kernel(_kl_pair, "jsd_loss_and_grad", default_config)
 MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
 
 
@@ -177,10 +154,8 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
     args = (student_logits, teacher_logits, labels, row_scale(grad_scale, C, student_logits), loss,
             int(ignore_index), LOG2E / temperature, 1.0 / temperature)
     launch = dict(like=student_logits, shape_key=bucket(V), int64=needs_int64(student_logits, teacher_logits))
-    if beta == 0.0:
-        FORWARD_KL(*args, **launch)
-    elif beta == 1.0:
-        REVERSE_KL(*args, **launch)
+    if beta in (0.0, 1.0):
+        KL_PAIR(*args, beta == 1.0, **launch)
     else:
         MIXTURE(*args, float(beta), **launch)
     return loss
