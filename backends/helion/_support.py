@@ -269,6 +269,20 @@ else:
         return hl.inline_triton("tl.math.log2({0})", args=(x,), output_like=x)
 
 
+def row_config(v_bucket: int, max_block: int) -> dict:
+    """The default config of a row kernel: one row a program, blocks of up to max_block columns, 8 warps at the
+    largest block (a fixed number of fp32 lanes a thread)."""
+    block_v = min(max_block, max(16, v_bucket))
+    return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v * 8 // max_block)), "num_stages": 1}
+
+
+def valid_rows(labels, tile_c, ignore_index):
+    """The rows of tile_c whose label is not ignore_index (all of them without labels)."""
+    if labels is not None:
+        return labels[tile_c] != ignore_index
+    return hl.full([tile_c], 1, dtype=torch.int32) != 0
+
+
 def load_f32(x, tile_c, tile_v, row_mask, policy):
     """x[tile_c, tile_v] in fp32; rows where row_mask [rows, 1] is False are not read (0)."""
     return hl.load(x, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=policy).to(torch.float32)

@@ -16,7 +16,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
-    needs_int64, online_step, row_scale,
+    needs_int64, online_step, row_config, row_scale,
 )
 
 
@@ -86,8 +86,7 @@ def _ce(
 
 def default_config(v_bucket: int) -> dict:
     """One row a program, blocks of up to 4096 columns, 16 fp32 lanes a thread."""
-    block_v = min(4096, max(16, v_bucket))
-    return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v // 512)), "num_stages": 1}
+    return row_config(v_bucket, 4096)
 
 
 KERNEL = Kernel(_ce, "ce_loss_and_grad", default_config)

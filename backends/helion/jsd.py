@@ -18,16 +18,10 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
-    online_step, row_scale,
+    online_step, row_config, row_scale, valid_rows,
 )
 
 _TINY = 1.1754943508222875e-38  # smallest normal fp32: m underflows only where p and q both do
-
-
-def _valid_rows(labels, tile_c, ignore_index):
-    if labels is not None:
-        return labels[tile_c] != ignore_index
-    return hl.full([tile_c], 1, dtype=torch.int32) != 0
 
 
 def _kl_pair(
@@ -40,7 +34,7 @@ def _kl_pair(
     block_c = hl.register_block_size(C)
     block_v = hl.register_block_size(V)
     for tile_c in hl.tile(C, block_size=block_c):
-        valid = _valid_rows(labels, tile_c, ignore_index)
+        valid = valid_rows(labels, tile_c, ignore_index)
         row_mask = valid[:, None]  # ignored rows are never read
         m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
         m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
@@ -93,7 +87,7 @@ def _mixture(
     block_c = hl.register_block_size(C)
     block_v = hl.register_block_size(V)
     for tile_c in hl.tile(C, block_size=block_c):
-        valid = _valid_rows(labels, tile_c, ignore_index)
+        valid = valid_rows(labels, tile_c, ignore_index)
         row_mask = valid[:, None]  # ignored rows are never read
         m_s = hl.full([tile_c], float("-inf"), dtype=torch.float32)
         m_t = hl.full([tile_c], float("-inf"), dtype=torch.float32)
@@ -136,8 +130,7 @@ def _mixture(
 
 def default_config(v_bucket: int) -> dict:
     """One row a program, blocks of up to 2048 columns (two inputs and up to three per-lane sums per thread)."""
-    block_v = min(2048, max(16, v_bucket))
-    return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v // 256)), "num_stages": 1}
+    return row_config(v_bucket, 2048)
 
 
 KL_PAIR = Kernel(_kl_pair, "jsd_loss_and_grad", default_config)

@@ -16,7 +16,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
-    online_step, row_scale,
+    online_step, row_config, row_scale, valid_rows,
 )
 
 
@@ -28,10 +28,7 @@ def _kl_div(
     block_c = hl.register_block_size(C)
     block_v = hl.register_block_size(V)
     for tile_c in hl.tile(C, block_size=block_c):
-        if labels is not None:
-            valid = labels[tile_c] != ignore_index
-        else:
-            valid = hl.full([tile_c], 1, dtype=torch.int32) != 0
+        valid = valid_rows(labels, tile_c, ignore_index)
         row_mask = valid[:, None]  # ignored rows are never read
         m = hl.full([tile_c], float("-inf"), dtype=torch.float32)
         d = hl.zeros([tile_c, block_v], dtype=torch.float32)
@@ -69,8 +66,7 @@ def _kl_div(
 
 def default_config(v_bucket: int) -> dict:
     """One row a program, blocks of up to 2048 columns (two inputs and two per-lane sums per thread)."""
-    block_v = min(2048, max(16, v_bucket))
-    return {"block_sizes": [1, block_v], "num_warps": max(1, min(8, block_v // 256)), "num_stages": 1}
+    return row_config(v_bucket, 2048)
 
 
 KERNEL = Kernel(_kl_div, "kl_div_loss_and_grad", default_config)
