@@ -40,10 +40,25 @@ def _inv_col_sums(p, eps):
     return 1.0 / (torch.sum(p, dim=1, keepdim=True) + eps)
 
 
+def _first_iterate(logits, eps):
+    """Row softmax, + eps, columns normalized: (the softmax, 1 / (column sums + eps), the first iterate)."""
+    soft = _row_softmax(logits)
+    shifted = soft + eps
+    col_inv = _inv_col_sums(shifted, eps)
+    return soft, col_inv, shifted * col_inv
+
+
+def _round_parts(p, eps):
+    """One Sinkhorn round's pieces: (1 / (row sums + eps), the rows normalized, 1 / (their column sums + eps))."""
+    row_inv = _inv_row_sums(p, eps)
+    rows = p * row_inv
+    return row_inv, rows, _inv_col_sums(rows, eps)
+
+
 def _round(p, eps):
     """One Sinkhorn round: rows, then columns."""
-    p = p * _inv_row_sums(p, eps)
-    return p * _inv_col_sums(p, eps)
+    _, rows, col_inv = _round_parts(p, eps)
+    return rows * col_inv
 
 
 # ---------------------------------------------------------------- forward
@@ -87,8 +102,7 @@ def _coeffs(
         z_post = mix_post[tile_m, :] * hl.load(alpha_post, []) + b_post[None, :]
         h_post[tile_m, :] = torch.sigmoid(z_post) * post_mult
         logits = mix_res[tile_m, :, :] * hl.load(alpha_res, []) + b_res[None, :, :]
-        p = _row_softmax(logits) + sinkhorn_eps
-        p = p * _inv_col_sums(p, sinkhorn_eps)
+        _, _, p = _first_iterate(logits, sinkhorn_eps)
         for _ in range(tmax - 1):
             p = _round(p, sinkhorn_eps)
         h_res[tile_m, :, :] = p
@@ -133,19 +147,14 @@ def _coeff_grads(
             # (this program's rows; Helion puts a CTA barrier between the loops for the global read-after-write),
             # then the rounds are undone last to first. A normalization y = x * inv, inv = 1 / (sum x + eps)
             # along an axis, has dx = inv * (dy - sum(dy * y)) along the same axis.
-            soft = _row_softmax(m_res * a_res + b_res[None, :, :])
-            col_inv = _inv_col_sums(soft + sinkhorn_eps, sinkhorn_eps)
-            first = (soft + sinkhorn_eps) * col_inv
+            soft, col_inv, first = _first_iterate(m_res * a_res + b_res[None, :, :], sinkhorn_eps)
             p = first
             for t in range(tmax - 1):
                 iterates[tile_m, t, :, :] = p
                 p = _round(p, sinkhorn_eps)
             d_res = grad_res[tile_m, :, :]
             for done in range(tmax - 1):
-                p = iterates[tile_m, tmax - 2 - done, :, :]
-                row_inv = _inv_row_sums(p, sinkhorn_eps)
-                rows = p * row_inv
-                col_inv_t = _inv_col_sums(rows, sinkhorn_eps)
+                row_inv, rows, col_inv_t = _round_parts(iterates[tile_m, tmax - 2 - done, :, :], sinkhorn_eps)
                 d_res = col_inv_t * (d_res - torch.sum(d_res * (rows * col_inv_t), dim=1, keepdim=True))
                 d_res = row_inv * (d_res - torch.sum(d_res * rows, dim=2, keepdim=True))
             d_res = col_inv * (d_res - torch.sum(d_res * first, dim=1, keepdim=True))
