@@ -37,6 +37,7 @@ AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
 CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
 
 PRIORITY = 30
+RUNS_LIMIT = 1024  # prepared launches a kernel keeps (one per call signature)
 CAPABILITY = Capability(devices=DEVICES, min_cc=MIN_CC, dtypes=DTYPES, modules=("helion",))
 # Kernels with hl.dot: HELION_INTERPRET=1 runs it as torch.mm(out_dtype=...), which PyTorch has no CPU kernel for.
 DOT_CAPABILITY = dataclasses.replace(CAPABILITY, devices=("cuda", "cpu") if TRITON_INTERPRETER else ("cuda",))
@@ -114,6 +115,8 @@ class Kernel:
         key = (id(self.forced), int64, *map(_arg_key, args))
         run = self._runs.get(key)
         if run is None:
+            if len(self._runs) >= RUNS_LIMIT:  # a run whose row count never repeats: start over
+                self._runs.clear()
             run = self._runs[key] = self._prepare(args, like, shape_key, int64)
         return run(*args)
 
