@@ -24,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
+from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+
 DEVICE = "cuda"
 RESULTS = []  # (section, name, "PASS" | "FAIL", detail)
 TOL = {torch.bfloat16: (2e-3, 2e-2), torch.float16: (1e-3, 4e-3), torch.float32: (1e-4, 2e-4)}  # (loss, grad)
@@ -43,36 +45,7 @@ def check(section, name):
     sys.stdout.flush()
 
 
-# ------------------------------------------------------------------------------ fp32 torch formulas
-
-
-def ce_rows(z, y, ignore_index=-100, label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    valid = y != ignore_index
-    lse = torch.logsumexp(z, -1)
-    z_y = z.gather(-1, torch.where(valid, y, 0)[:, None])[:, 0]
-    loss = (1 - label_smoothing) * (lse - z_y) + label_smoothing * (lse - z.mean(-1)) + lse_square_scale * lse**2
-    return torch.where(valid, loss, 0.0)
-
-
-def jsd_rows(s, t, labels, beta, temperature=1.0, ignore_index=-100):
-    lq, lp = torch.log_softmax(s / temperature, -1), torch.log_softmax(t / temperature, -1)
-    if beta == 0.0:
-        loss = (lp.exp() * (lp - lq)).sum(-1)
-    elif beta == 1.0:
-        loss = (lq.exp() * (lq - lp)).sum(-1)
-    else:
-        lm = torch.logaddexp(lp + torch.log(torch.tensor(beta)), lq + torch.log1p(torch.tensor(-beta)))
-        loss = beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)
-    return loss if labels is None else torch.where(labels != ignore_index, loss, 0.0)
-
-
-def kl_rows(s, target, labels, temperature=1.0, eps=1e-10, log_target=False, ignore_index=-100):
-    ls = torch.log_softmax(s / temperature, -1)
-    q, log_q = (target.exp(), target) if log_target else (target, target.clamp_min(eps).log())
-    loss = (torch.where(q > 0, q * log_q, 0.0) - q * ls).sum(-1)
-    return loss if labels is None else torch.where(labels != ignore_index, loss, 0.0)
+# ------------------------------------------------------------------------------ the truth: the reference formulas in fp32
 
 
 def reference(rows_fn, x, others, grad_scale):
@@ -130,12 +103,12 @@ def cases(kernels, C, V, dtype, pad=0):
         out.append((f"jsd beta={beta:g}", jsd_fn,
                     lambda: (logits(C, V, dtype, pad), logits(C, V, dtype), labels_with_ignored(C, V)),
                     dict(beta=beta, temperature=2.0, grad_scale=mean_scale.expand(C)),
-                    lambda s, t, y, b=beta: jsd_rows(s, t, y, b, temperature=2.0), 2 if beta == 0.0 else 3))
+                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0), 2 if beta == 0.0 else 3))
     for log_target in (False, True):
         out.append((f"kl{' log-target' if log_target else ''}", kl_fn,
                     lambda lt=log_target: (logits(C, V, dtype, pad), probs(lt), labels_with_ignored(C, V)),
                     dict(temperature=1.5, log_target=log_target, grad_scale=mean_scale),
-                    lambda s, q, y, lt=log_target: kl_rows(s, q, y, temperature=1.5, log_target=lt), 2))
+                    lambda s, q, y, lt=log_target: kl_div_rows(s, q, y, temperature=1.5, log_target=lt), 2))
     return out
 
 
@@ -255,7 +228,7 @@ def bandwidth(kernels, C, V, dtype, peak):
             gbs, model = (reads + write) / ms / 1e6, (passes * reads + write) / ms / 1e6
             print(f"{name:<20}{ms:8.3f}{gbs:10.0f}{100 * gbs / peak:7.0f}%{model:12.0f}")
             detail.append(f"{ms:.3f} ms, {gbs:.0f} GB/s ({100 * gbs / peak:.0f}% of peak)")
-            del inputs
+            inputs = None  # frees the rows before the next size
         torch.cuda.empty_cache()
 
 
@@ -294,7 +267,7 @@ def sweep(kernels, C, V, dtype):
                      for t, ms in times.items()]
             print(f"  {name:<14}" + " | ".join(cells))
             detail.append(f"best {best.threads}/{best.unroll} hints={best.l2_hints} {times[best]:.3f} ms")
-            del inputs
+            inputs = None  # frees the rows before the next size
         torch.cuda.empty_cache()
 
 
@@ -376,7 +349,7 @@ def main():
     torch.manual_seed(0)
 
     kernels = None
-    with check("import", "liger_dispatch.backends.cutedsl") as detail:
+    with check("import", "liger_dispatch.backends.cutedsl"):
         from liger_dispatch.backends.cutedsl.ce import ce_loss_and_grad
         from liger_dispatch.backends.cutedsl.jsd import jsd_loss_and_grad
         from liger_dispatch.backends.cutedsl.kl_div import kl_div_loss_and_grad

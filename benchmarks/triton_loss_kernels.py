@@ -117,7 +117,7 @@ def main():
             gbs = model / ms / 1e6
             print(f"{name:<18}{label:>14}{ms:9.3f}{model / 1e9:10.2f}{gbs:8.0f}{100 * gbs / args.peak_gbs:7.0f}%"
                   f"{minimum / 1e9:8.2f}{minimum / ms / 1e6:8.0f}{'' if ok else '  MISMATCH'}")
-        del inputs
+        inputs = None  # frees the rows before the next size
         torch.cuda.empty_cache()
     if not all_ok:
         print("FAILED: at least one kernel does not match the reference", file=sys.stderr)
