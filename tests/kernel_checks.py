@@ -26,6 +26,21 @@ def inputs(default_rows, default_vocab):
     return logits, labels
 
 
+GRAD_SCALE_FORMS = ("none", "0-d", "per-row", "expanded", "strided")
+
+
+def grad_scale(form, rows, device=DEVICE):
+    """A grad_scale in one of the forms the loss kernels take: None, 0-d, [rows], an expanded 0-d view, a strided
+    [rows] view."""
+    return {
+        "none": lambda: None,
+        "0-d": lambda: torch.tensor(0.37, device=device),
+        "per-row": lambda: torch.rand(rows, device=device) + 0.1,
+        "expanded": lambda: torch.tensor(0.5, device=device).expand(rows),
+        "strided": lambda: torch.rand(2 * rows, device=device)[::2] + 0.1,
+    }[form]()
+
+
 def reference(rows_fn, x, grad_scale=None):
     """float64 per-row loss and grad_scale * d loss_i / d x_i of the spec's formulas."""
     x64 = x.detach().double().requires_grad_()

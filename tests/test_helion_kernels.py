@@ -18,7 +18,8 @@ from liger_dispatch.backends.helion import _support, ce, jsd, kl_div, mhc
 from liger_dispatch.backends.reference import mhc as reference_mhc
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 
-from kernel_checks import DEVICE, IGNORE, check, inputs, reference
+from kernel_checks import DEVICE, GRAD_SCALE_FORMS, IGNORE, check, inputs, reference
+from kernel_checks import grad_scale as grad_scale_of
 
 C, V = 5, 37
 logits, labels = inputs(C, V)
@@ -80,20 +81,11 @@ def test_int64_offsets_follow_strides_not_numel():
 # ---------------------------------------------------------------- loss kernels
 
 
-GRAD_SCALES = {
-    "none": lambda: None,
-    "0-d": lambda: torch.tensor(0.25, device=DEVICE),
-    "per-row": lambda: torch.rand(C, device=DEVICE),
-    "expanded": lambda: torch.tensor(0.5, device=DEVICE).expand(C),
-    "strided": lambda: torch.rand(2 * C, device=DEVICE)[::2],
-}
-
-
-@pytest.mark.parametrize("scale", GRAD_SCALES)
+@pytest.mark.parametrize("scale", GRAD_SCALE_FORMS)
 def test_ce_blocks_row_stride_and_grad_scales(scale):
     x = logits(row_stride=V + 11)
     target = labels()
-    grad_scale = GRAD_SCALES[scale]()
+    grad_scale = grad_scale_of(scale, C)
     expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE), x, grad_scale)
     with ce.KERNEL.using(ONE_ROW_BLOCKS_OF_16):
         loss = ce.ce_loss_and_grad(x, target, grad_scale=grad_scale, ignore_index=IGNORE)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
+from kernel_checks import GRAD_SCALE_FORMS, reference
+from kernel_checks import grad_scale as grad_scale_of
 from liger_dispatch.backends.reference import ce, formulas, jsd, kl_div, mhc
 
 F64 = torch.float64
@@ -313,20 +315,6 @@ def logits_buffer(c, v, dtype, pad=3):
     return wide, wide[:, :v]
 
 
-def reference_rows_and_grad(rows_fn, logits, grad_scale):
-    z = logits.detach().double().requires_grad_()
-    rows = rows_fn(z)
-    (grad,) = torch.autograd.grad(rows, z, grad_outputs=grad_scale.double().expand_as(rows))
-    return rows.detach(), grad
-
-
-GRAD_SCALES = {
-    "none": lambda c: None,
-    "0d": lambda c: torch.tensor(0.37),
-    "per_row": lambda c: torch.rand(c) + 0.5,
-    "expanded": lambda c: torch.tensor(1.7).expand(c),
-}
-
 C, KV = 6, 13
 
 
@@ -350,16 +338,15 @@ TOL = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-2
 
 
 @pytest.mark.parametrize("op", ["ce", "jsd", "kl_div"])
-@pytest.mark.parametrize("scale", list(GRAD_SCALES))
+@pytest.mark.parametrize("scale", GRAD_SCALE_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_op_writes_scaled_gradient_in_place(op, scale, dtype):
     fn, args, kwargs, rows_fn = kernel_cases()[op]
     wide, logits = logits_buffer(C, KV, dtype)
     before = logits.clone()
     inputs_before = [a.clone() for a in args]
-    grad_scale = GRAD_SCALES[scale](C)
-    expected_rows, expected_grad = reference_rows_and_grad(rows_fn, before, torch.tensor(1.0) if grad_scale is None
-                                                           else grad_scale)
+    grad_scale = grad_scale_of(scale, C, device="cpu")
+    expected_rows, expected_grad = reference(rows_fn, before, grad_scale)
     rows = fn(logits, *args, grad_scale=grad_scale, **kwargs)
     assert rows.dtype == torch.float32 and rows.shape == (C,)
     assert logits.dtype == dtype and logits.data_ptr() == wide.data_ptr()
@@ -374,8 +361,7 @@ def test_kernel_op_writes_scaled_gradient_in_place(op, scale, dtype):
 def test_kernel_op_float64_keeps_float64():
     lab = labels(C, KV)
     logits = torch.randn(C, KV, dtype=F64)
-    expected_rows, expected_grad = reference_rows_and_grad(lambda z: formulas.ce_rows(z, lab), logits,
-                                                           torch.tensor(0.5))
+    expected_rows, expected_grad = reference(lambda z: formulas.ce_rows(z, lab), logits, torch.tensor(0.5))
     rows = ce.ce_loss_and_grad(logits, lab, grad_scale=torch.tensor(0.5))
     assert rows.dtype == F64
     torch.testing.assert_close(rows, expected_rows)

@@ -16,7 +16,7 @@ from liger_dispatch.backends.triton.ce import ce_loss_and_grad
 from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
 from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
 
-from kernel_checks import DEVICE, IGNORE, check, inputs, reference
+from kernel_checks import DEVICE, GRAD_SCALE_FORMS, IGNORE, check, grad_scale, inputs, reference
 
 C, V, BLOCK = 6, 300, 64  # 5 blocks a row, the last holding 44 columns
 logits, labels = inputs(C, V)
@@ -54,13 +54,8 @@ def probabilities(rows=C, vocab=V, dtype=torch.float32, zeros=20):
     return (p / p.sum(-1, keepdim=True)).to(dtype)
 
 
-def grad_scale_of(kind):
-    return {
-        "none": None,
-        "scalar": torch.tensor(0.37, device=DEVICE),
-        "per_row": torch.rand(C, device=DEVICE) + 0.1,
-        "expanded": torch.tensor(0.5, device=DEVICE).expand(C),
-    }[kind]
+def grad_scale_of(form):
+    return grad_scale(form, C)
 
 
 # ---------------------------------------------------------------- several blocks, ragged last block, row strides
@@ -103,9 +98,9 @@ def test_strided_labels_and_single_block():
 # ---------------------------------------------------------------- grad_scale: None, 0-d, per row, expanded view
 
 
-@pytest.mark.parametrize("kind", ["none", "scalar", "per_row", "expanded"])
-def test_grad_scale_forms(kind):
-    scale = grad_scale_of(kind)
+@pytest.mark.parametrize("form", GRAD_SCALE_FORMS)
+def test_grad_scale_forms(form):
+    scale = grad_scale_of(form)
     run_ce(logits(), labels(), scale)
     run_jsd(logits(), logits(), labels(), scale, beta=0.3, temperature=1.5)
     run_kl(logits(), probabilities(), labels(), scale, temperature=1.5)
@@ -122,7 +117,7 @@ def test_all_rows_ignored():
         (run_kl, logits(), (probabilities(), labels(ignored=everything))),
     ]:
         options = {"beta": 0.5} if run is run_jsd else {}
-        run(x, *args, grad_scale_of("scalar"), **options)
+        run(x, *args, grad_scale_of("0-d"), **options)
         assert bool((x == 0).all())
 
 
@@ -137,14 +132,14 @@ def test_empty_chunk():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ce_softcap_smoothing_and_z_loss_together(dtype):
     x = logits(dtype=dtype, scale=20.0)  # softcap 30 bends these
-    run_ce(x, labels(ignored=(0, 3)), grad_scale_of("per_row"), softcap=30.0, label_smoothing=0.1,
+    run_ce(x, labels(ignored=(0, 3)), grad_scale_of("per-row"), softcap=30.0, label_smoothing=0.1,
            lse_square_scale=1e-2)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [0.7, 2.0])
 def test_jsd_beta_and_temperature(beta, temperature):
-    run_jsd(logits(dtype=torch.bfloat16), logits(), labels(ignored=(2,)), grad_scale_of("scalar"), beta=beta,
+    run_jsd(logits(dtype=torch.bfloat16), logits(), labels(ignored=(2,)), grad_scale_of("0-d"), beta=beta,
             temperature=temperature)
 
 
@@ -163,7 +158,7 @@ def test_kl_zero_probabilities(log_target, target_dtype):
     target = probabilities(dtype=target_dtype)
     if log_target:
         target = target.float().log().to(target_dtype)  # -inf where the probability is 0
-    run_kl(logits(dtype=torch.bfloat16), target, labels(ignored=(4,)), grad_scale_of("per_row"),
+    run_kl(logits(dtype=torch.bfloat16), target, labels(ignored=(4,)), grad_scale_of("per-row"),
            temperature=2.0, log_target=log_target)
 
 
@@ -202,7 +197,7 @@ def test_capability_accepts_cpu_only_under_the_interpreter():
 def test_gpu_real_vocab(vocab, dtype):
     rows = 16
     target = labels(rows, vocab, ignored=(3,))
-    run_ce(logits(rows, vocab, dtype=dtype), target, grad_scale_of("scalar"), block=None, label_smoothing=0.1)
+    run_ce(logits(rows, vocab, dtype=dtype), target, grad_scale_of("0-d"), block=None, label_smoothing=0.1)
     run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.5,
             temperature=2.0)
     run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.0)
