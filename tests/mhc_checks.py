@@ -49,12 +49,18 @@ def rel_err(got, want):
     return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
 
 
+# upstream gradients present (h_pre, h_post, h_res): the cases where some are None
+MISSING_GRADS = [(False, True, True), (True, False, False), (False, False, True), (False, False, False)]
+MISSING_GRADS_IDS = ["no-pre", "pre-only", "res-only", "none"]
+
+
 def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), x_row_stride=None,
-              phi_dtype=None, fwd_kwargs=None, bwd_kwargs=None, rel_tol=None):
+              phi_dtype=None, fwd_kwargs=None, bwd_kwargs=None, rel_tol=None, grads=None, deterministic=False):
     """Runs a backend's mhc_coeff_fwd / mhc_coeff_bwd (module `mhc`) on fresh inputs and checks all outputs
-    (gradients to rel_tol, by default REL_TOL of the dtype)."""
+    (gradients to rel_tol, by default REL_TOL of the dtype). grads: the upstream gradients (default: fresh ones
+    as `present` says). deterministic: the backward, run again, gives the same bits."""
     args = inputs(m, hc, c, dtype, x_row_stride, phi_dtype)
-    grads = upstream(m, hc, present)
+    grads = upstream(m, hc, present) if grads is None else grads
     outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS, **(fwd_kwargs or {}))
     got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS, **(bwd_kwargs or {}))
     want_outs, want_grads = reference(args, grads, hc, tmax)
@@ -70,6 +76,10 @@ def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, Tru
         # plus twice the rounding of the truth to the gradient's own dtype
         limit = (rel_tol or REL_TOL[dtype]) + 2 * rel_err(w.to(g.dtype), w)
         assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"
+    if deterministic:
+        again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS, **(bwd_kwargs or {}))
+        for name, a, b in zip(GRAD_NAMES, got, again):
+            assert torch.equal(a, b), f"{name} differs between two runs"
     return args, grads, outs, got
 
 

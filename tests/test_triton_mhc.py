@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from liger_dispatch.backends.triton import mhc
-from mhc_checks import (GRAD_NAMES, OPTIONS, REL_TOL, check_empty_batch, check_mhc, inputs, reference,
-                        rel_err, upstream)
+from mhc_checks import (GRAD_NAMES, MISSING_GRADS, MISSING_GRADS_IDS, OPTIONS, REL_TOL, check_empty_batch, check_mhc,
+                        inputs, rel_err, upstream)
 
 
 # tiny tiles so that CPU shapes cross every block boundary, split K and group the MM backward's rows
@@ -24,9 +24,9 @@ GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
 
 
 def run(m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), fwd_config=None, bwd_config=None,
-        x_row_stride=None, phi_dtype=None):
+        x_row_stride=None, phi_dtype=None, **checks):
     return check_mhc(mhc, m, hc, c, tmax, dtype, present, x_row_stride, phi_dtype, dict(config=fwd_config),
-                     dict(config=bwd_config))
+                     dict(config=bwd_config), **checks)
 
 
 # ---------------------------------------------------------------- CPU (interpreter), tiny shapes
@@ -63,30 +63,21 @@ def test_mixed_dtypes():
     run(9, 4, 8, 3, torch.bfloat16, phi_dtype=torch.float32, fwd_config=SPLIT_FWD, bwd_config=GROUPED_BWD)
 
 
-@pytest.mark.parametrize("present", [(False, True, True), (True, False, False), (False, False, True),
-                                     (False, False, False)], ids=["no-pre", "pre-only", "res-only", "none"])
+@pytest.mark.parametrize("present", MISSING_GRADS, ids=MISSING_GRADS_IDS)
 def test_missing_upstream_gradients(present):
     run(6, 4, 8, 3, present=present)
 
 
 def test_strided_inputs():
     """x rows wider than K, upstream gradients that are non-contiguous views."""
-    m, hc, c, tmax = 5, 4, 8, 3
-    args = inputs(m, hc, c, x_row_stride=hc * c + 8)
+    m, hc = 5, 4
     grads = [g.transpose(0, -1).contiguous().transpose(0, -1) for g in upstream(m, hc)]
     assert not grads[2].is_contiguous()
-    outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS)
-    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS)
-    _, want = reference(args, grads, hc, tmax)
-    for name, g, w in zip(GRAD_NAMES, got, want):
-        assert rel_err(g, w) <= REL_TOL[torch.float32], name
+    run(m, hc, 8, 3, x_row_stride=hc * 8 + 8, grads=grads)
 
 
 def test_backward_is_deterministic():
-    args, grads, outs, first = run(37, 4, 8, 3, bwd_config=GROUPED_BWD)
-    again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=3, config=GROUPED_BWD, **OPTIONS)
-    for name, a, b in zip(GRAD_NAMES, first, again):
-        assert torch.equal(a, b), name
+    run(37, 4, 8, 3, bwd_config=GROUPED_BWD, deterministic=True)
 
 
 def test_empty_batch():
@@ -256,10 +247,7 @@ def test_gpu_direct_launch_matches_triton_launch(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,c", [(512, 1024), (2048, 4096)], ids=["T512-C1024", "T2048-C4096"])
 def test_gpu_real_shapes_bf16(t, c):
-    args, grads, outs, first = run(4 * t, 4, c, 20, torch.bfloat16)
-    again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=4, tmax=20, **OPTIONS)
-    for name, a, b in zip(GRAD_NAMES, first, again):
-        assert torch.equal(a, b), f"{name} differs between two runs"
+    run(4 * t, 4, c, 20, torch.bfloat16, deterministic=True)
 
 
 @pytest.mark.gpu
