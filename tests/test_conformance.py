@@ -26,17 +26,14 @@ TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 
 
-def runnable(op: str, dtype: torch.dtype) -> list[str]:
-    return [b for b, why in dispatch.backend_status(op, DEVICE, dtype).items() if why is None]
-
-
 def cases(ops=USER_OPS, dtypes=DTYPES):
     params = []
     for op in ops:
         for dtype in dtypes:
+            status = dispatch.backend_status(op, DEVICE, dtype)
             for backend in ld.registered_backends(op):
-                marks = () if backend in runnable(op, dtype) else (pytest.mark.skip(reason=dispatch.backend_status(
-                    op, DEVICE, dtype)[backend]),)
+                why = status.get(backend)
+                marks = () if why is None else (pytest.mark.skip(reason=why),)
                 params.append(pytest.param(op, backend, dtype, marks=marks,
                                            id=f"{op}-{backend}-{str(dtype).replace('torch.', '')}"))
     return params
