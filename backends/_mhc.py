@@ -3,9 +3,18 @@
 import torch
 
 
+def columns(hc):
+    """n, the columns of phi and mix: hc pre, hc post and hc * hc residual coefficients."""
+    return hc * hc + 2 * hc
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
 def forward_outputs(M, hc, device):
     """The outputs of mhc_coeff_fwd, fp32: (h_pre [M, hc], h_post [M, hc], h_res [M, hc, hc], mix [M, n], rstd [M])."""
-    n = hc * hc + 2 * hc
+    n = columns(hc)
     return tuple(torch.empty(*shape, device=device, dtype=torch.float32)
                  for shape in ((M, hc), (M, hc), (M, hc, hc), (M, n), (M,)))
 

@@ -38,7 +38,7 @@ from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
-from .._mhc import backward_results, forward_outputs
+from .._mhc import backward_results, cdiv, columns, forward_outputs
 from . import _row
 from ._mhc_rows import dot, sigmoid, sinkhorn, sinkhorn_backward
 from ._support import CUTE_DTYPE, Launcher, cache, capability, compile_kernel, pick_vec
@@ -85,17 +85,9 @@ def _unsupported(x, phi, *args, hc, **kwargs):
 MHC_CAPABILITY = capability(_unsupported)
 
 
-def _n(hc):
-    return hc * hc + 2 * hc
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 def _tiles(n):
     """n8 MMA tiles covering n columns."""
-    return _cdiv(n, 8)
+    return cdiv(n, 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,7 +170,7 @@ class Epilogue:
     and Sinkhorn, written to h_pre, h_post, h_res [M, hc * hc], mix and rstd."""
 
     def __init__(self, hc, tmax):
-        self.hc, self.n, self.tmax = hc, _n(hc), tmax
+        self.hc, self.n, self.tmax = hc, columns(hc), tmax
 
     @cute.jit
     def __call__(self, mWs: cute.Tensor, n_parts: Int32, n_cols: Int32, mB: cute.Tensor, mApre: cute.Tensor,
@@ -233,7 +225,7 @@ class CoefficientBackward:
     and the alphas. A missing upstream gradient (None) counts as zeros."""
 
     def __init__(self, hc, tmax, has_pre, has_post, has_res):
-        self.hc, self.n, self.tmax = hc, _n(hc), tmax
+        self.hc, self.n, self.tmax = hc, columns(hc), tmax
         self.has = (has_pre, has_post, has_res)
 
     @cute.jit
@@ -469,7 +461,7 @@ def _mix_partials(x_dtype, phi_dtype, n, cols, align, unroll):
 
 @cache
 def _epilogue(hc, tmax):
-    n, rows = _n(hc), cute.sym_int()
+    n, rows = columns(hc), cute.sym_int()
     return Launcher(compile_kernel(
         Epilogue(hc, tmax), _rows(n + 1), 0, 0, _vector(n), _vector(1), _vector(1), _vector(1), _rows(hc, rows),
         _rows(hc, rows), _rows(hc * hc, rows), _rows(n, rows), _vector(rows), 0.0, 0.0, 0.0, 0.0))
@@ -477,7 +469,7 @@ def _epilogue(hc, tmax):
 
 @cache
 def _coefficient_backward(hc, tmax, has_pre, has_post, has_res):
-    n, rows = _n(hc), cute.sym_int()
+    n, rows = columns(hc), cute.sym_int()
     grads = [_rows(width, rows) if has else None for has, width in zip((has_pre, has_post, has_res), (hc, hc, hc * hc))]
     return Launcher(compile_kernel(
         CoefficientBackward(hc, tmax, has_pre, has_post, has_res), _rows(n, rows), _vector(rows), _vector(n),
@@ -506,8 +498,8 @@ def _num_sms(device):
 
 def forward_splits(M, K, vec, n_sms, warps_per_sm):
     """K splits of the forward: as many as keep the warps within warps_per_sm an SM, 4 k-blocks a split at least."""
-    warps = _cdiv(M, MMA_ROWS)
-    k_blocks = _cdiv(K, 4 * vec)
+    warps = cdiv(M, MMA_ROWS)
+    k_blocks = cdiv(K, 4 * vec)
     return max(1, min(warps_per_sm * n_sms // warps, k_blocks // 4))
 
 
@@ -521,10 +513,10 @@ def forward_cols(K, align, most):
 
 def matmul_groups(M, K, vec, n_sms, warps_per_sm):
     """(row groups, rows per group, a multiple of 8) of the MM/RMS backward: about warps_per_sm warps an SM."""
-    col_blocks = _cdiv(K, MM_WARPS * 8 * vec)
-    wanted = max(1, min(_cdiv(warps_per_sm * n_sms, col_blocks * MM_WARPS), _cdiv(M, 8)))
-    rows = _cdiv(_cdiv(M, wanted), 8) * 8
-    return _cdiv(M, rows), rows
+    col_blocks = cdiv(K, MM_WARPS * 8 * vec)
+    wanted = max(1, min(cdiv(warps_per_sm * n_sms, col_blocks * MM_WARPS), cdiv(M, 8)))
+    rows = cdiv(cdiv(M, wanted), 8) * 8
+    return cdiv(M, rows), rows
 
 
 def matmul_vec(K, n, max_vec, *rows):
@@ -558,7 +550,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     launch = _launch(ForwardLaunch(), config)
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
-    n, dev = _n(hc), x.device
+    n, dev = columns(hc), x.device
     pre, post, res, mix, rstd = forward_outputs(M, hc, dev)
     if M == 0:
         return pre, post, res, mix, rstd
@@ -566,7 +558,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     align = pick_vec(K, x, phi_t)
     cols = forward_cols(K, align, launch.cols)
     splits = forward_splits(M, K, cols, _num_sms(dev), launch.warps_per_sm)
-    blocks_per_split = _cdiv(_cdiv(K, 4 * cols), splits)
+    blocks_per_split = cdiv(cdiv(K, 4 * cols), splits)
     ws = torch.empty(splits * M, n + 1, device=dev, dtype=_F32)
     _mix_partials(x.dtype, phi.dtype, n, cols, align, launch.unroll)(x, phi_t, ws, blocks_per_split, splits)
     _epilogue(hc, tmax)(ws, splits, K, b, *_alphas(alpha_pre, alpha_post, alpha_res), pre, post,
@@ -586,14 +578,14 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     launch = _launch(BackwardLaunch(), config)
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
-    n, dev = _n(hc), x.device
+    n, dev = columns(hc), x.device
     grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, n)
     if M == 0:
         return results
     grads = (_grad(grad_h_pre, (M, hc)), _grad(grad_h_post, (M, hc)), _grad(grad_h_res, (M, hc * hc)))
     gz = torch.empty(M, 8 * _tiles(n), device=dev, dtype=_F32)
     coef = torch.empty(M, device=dev, dtype=_F32)
-    part = torch.empty(_cdiv(M, PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
+    part = torch.empty(cdiv(M, PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
     _coefficient_backward(hc, tmax, *(g is not None for g in grads))(
         mix.contiguous(), rstd.contiguous(), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
         float(sinkhorn_eps), float(post_mult))

@@ -28,7 +28,7 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
-from .._mhc import backward_results, forward_outputs
+from .._mhc import backward_results, cdiv, columns, forward_outputs
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
 
 SUPPORTED_HC = (2, 4, 8)
@@ -376,10 +376,6 @@ _PLAN_LIMIT = 1024  # signatures kept; past that the cache starts over (a run wh
 _F32 = torch.float32
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
 
@@ -473,14 +469,14 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
     slice through L2, so that traffic is N / BM of the x traffic. Where even 16-row blocks leave most SMs
     idle, K is split (second, tiny launch)."""
     for bm in (64, 32, 16):
-        if 10 * _cdiv(M, bm) >= 9 * n_sms:
+        if 10 * cdiv(M, bm) >= 9 * n_sms:
             break
     bk = 64 if fp32 else 256 if bm <= 32 else 128
     bk = max(16, min(bk, _pow2(K)))
-    programs = _cdiv(M, bm)
+    programs = cdiv(M, bm)
     split = 1
     if 4 * programs < 3 * n_sms:
-        split = min(_pow2(_cdiv(n_sms, programs)), _cdiv(K, bk))
+        split = min(_pow2(cdiv(n_sms, programs)), cdiv(K, bk))
     warps = 8 if bm == 64 and not fp32 else 4
     return dict(BM=bm, BK=bk, split=split, num_warps=warps, num_stages=3 if fp32 else 4)
 
@@ -488,14 +484,14 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
 def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
     """MM/RMS backward: K blocks x row groups, enough programs to fill every SM's slots once. Tiles sized
     to stay clear of register spills (hc = 8 has 128 padded columns; fp32 multiplies on the FMA units)."""
-    wide = _pow2(hc * hc + 2 * hc) > 32
+    wide = _pow2(columns(hc)) > 32
     if fp32:
         bm, bk, warps = (32, 16, 8) if wide else (64, 32, 8)
     else:
         bm, bk, warps = 64, 64, 8 if wide else 4
     bk = max(16, min(bk, _pow2(K)))
     slots = n_sms * (2 if warps == 8 else 4)
-    groups = _cdiv(slots, _cdiv(K, bk))
+    groups = cdiv(slots, cdiv(K, bk))
     return dict(BM=bm, BK=bk, groups=groups, BR=32, num_warps=warps, num_stages=3)
 
 
@@ -534,16 +530,16 @@ class _FwdPlan:
         _, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
         cfg = fwd_config(M, K, _num_sms(device), cast_f32) | dict(config or ())
         bm, bk = cfg["BM"], cfg["BK"]
-        k_iters = _cdiv(_cdiv(K, bk), cfg["split"])
-        split = _cdiv(_cdiv(K, bk), k_iters)
+        k_iters = cdiv(cdiv(K, bk), cfg["split"])
+        split = cdiv(cdiv(K, bk), k_iters)
         pp, rr = _fwd_tiles(hc)
         tiles = dict(HC=hc, PP=pp, RR=rr, TMAX=tmax)
         self.main = _Launch(
-            _fwd_kernel, (_cdiv(M, bm), split), (M, K, stride_xm, *scalars), **tiles, BM=bm, BK=bk, K_ITERS=k_iters,
+            _fwd_kernel, (cdiv(M, bm), split), (M, K, stride_xm, *scalars), **tiles, BM=bm, BK=bk, K_ITERS=k_iters,
             SPLIT=split, CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if split > 1:
             self.ws_shape = (split, M, pp + rr * hc + 1)
-            self.epilogue = _Launch(_fwd_split_epilogue, (_cdiv(M, 32),), (M, K, *scalars), **tiles, BM=32,
+            self.epilogue = _Launch(_fwd_split_epilogue, (cdiv(M, 32),), (M, K, *scalars), **tiles, BM=32,
                                     SPLIT=split, num_warps=4)
 
 
@@ -578,7 +574,7 @@ class _BwdPlan:
 
     def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config, grads):
         """grads: (dtype, strides) of each upstream gradient, None where it is absent."""
-        n = self.n = hc * hc + 2 * hc
+        n = self.n = columns(hc)
         dot_dtype, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
         self.dot_dtype = dot_dtype
         if M == 0:
@@ -587,7 +583,7 @@ class _BwdPlan:
 
         # 1. coefficient producer
         br = cfg["BR"]
-        n_blocks = _cdiv(M, br)
+        n_blocks = cdiv(M, br)
         has_pre, has_post, has_res = (g is not None for g in grads)
         strides = [s for g, ndim in zip(grads, (2, 2, 3)) for s in (g[1] if g else (0,) * ndim)]
         self.part_shape = (n_blocks, n + 3)
@@ -597,20 +593,20 @@ class _BwdPlan:
 
         # 2. fused MM/RMS backward
         bm, bk = cfg["BM"], cfg["BK"]
-        m_blocks = _cdiv(M, bm)
-        m_iters = _pow2(_cdiv(m_blocks, cfg["groups"]))
-        groups = _cdiv(m_blocks, m_iters)
+        m_blocks = cdiv(M, bm)
+        m_iters = _pow2(cdiv(m_blocks, cfg["groups"]))
+        groups = cdiv(m_blocks, m_iters)
         self.phi_ws_shape = (groups, K, n) if groups > 1 else None
-        self.mm = _Launch(_bwd_mm_kernel, (groups, _cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
+        self.mm = _Launch(_bwd_mm_kernel, (groups, cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
                           NP=max(16, _pow2(n)), BM=bm, BK=bk, M_ITERS=m_iters, GROUPED=groups > 1,
                           CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
         # 3. deterministic reducer: grad_phi over the row groups (if any), grad_b and the alphas
         rbk, rbb = 2048 // max(16, _pow2(n)), 32
-        reduce_kblocks = _cdiv(K, rbk) if groups > 1 else 0
+        reduce_kblocks = cdiv(K, rbk) if groups > 1 else 0
         self.reduce = _Launch(_bwd_reduce_kernel, (reduce_kblocks + 1,), (K, groups, n_blocks, reduce_kblocks),
                               HC=hc, NP=_pow2(n), BK=rbk, G_ITERS=_pow2(groups), BB=rbb,
-                              B_ITERS=_pow2(_cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
+                              B_ITERS=_pow2(cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
 
 
 def _grad_key(g):
