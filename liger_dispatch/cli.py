@@ -36,7 +36,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
 
     console = Console(width=max(Console().width, 150))
     backends = TABLE.backend_names()
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "no GPU"
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "no GPU"
     table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}",
                   show_lines=True)
     table.add_column("op")
@@ -68,25 +68,23 @@ def matrix(device: str, dtype: torch.dtype) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m liger_dispatch", description=__doc__)
+    where = argparse.ArgumentParser(add_help=False)  # given before or after the subcommand
+    where.add_argument("--device", default=argparse.SUPPRESS, help="cuda or cpu (default: cuda when there is one)")
+    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=["bf16", "fp16", "fp32"],
+                       help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
+    parser = argparse.ArgumentParser(prog="python -m liger_dispatch", description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
-    demo = sub.add_parser("demo", help="a short distillation + LM-head training run on this machine")
+    demo = sub.add_parser("demo", parents=[where], help="a short distillation + LM-head training run on this machine")
     demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--device", dest="demo_device", default=None)
-    demo.add_argument("--dtype", dest="demo_dtype", default=None, choices=["bf16", "fp16", "fp32"])
     demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
     args = parser.parse_args(argv)
+    device = getattr(args, "device", None) or default_device()
+    dtype = _dtype(getattr(args, "dtype", None) or ("bf16" if device.startswith("cuda") else "fp32"))
     if args.command == "demo":
         from liger_dispatch.demo import run
 
-        device = args.demo_device or args.device or default_device()
-        dtype = args.demo_dtype or args.dtype or ("bf16" if device == "cuda" else "fp32")
-        return run(steps=args.steps, device=device, dtype=_dtype(dtype), distill=args.loss)
-    device = args.device or default_device()
-    matrix(device, _dtype(args.dtype or ("bf16" if device == "cuda" else "fp32")))
+        return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
+    matrix(device, dtype)
     return 0
 
 
