@@ -10,7 +10,6 @@ ragged V, strided rows, every grad_scale form, ignored rows and C * V > 2^31.
 import ctypes
 import os
 import re
-import struct
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
 from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
-from liger_dispatch.table import TABLE  # noqa: E402
+from cutedsl_checks import cubin_resources, cutedsl_impl  # noqa: E402
 
 OPS = {"ce_loss_and_grad": ce, "jsd_loss_and_grad": jsd, "kl_div_loss_and_grad": kl_div}
 bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32
@@ -34,7 +33,7 @@ bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch
 
 def test_registered_at_priority_10_with_the_backend_capability():
     for op, module in OPS.items():
-        (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
+        impl = cutedsl_impl(op)
         assert impl.priority == 10
         assert impl.fn is getattr(module, op)
         cap = impl.capability
@@ -45,7 +44,7 @@ def test_registered_at_priority_10_with_the_backend_capability():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_cpu_tensors_are_declined_with_needs_a_cuda_device():
     for op in OPS:
-        (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
+        impl = cutedsl_impl(op)
         assert impl.capability.static_reason(torch.device("cpu"), (fp32,)) == "needs a CUDA device, got cpu tensors"
     logits, target = torch.randn(2, 8), torch.tensor([1, 3])
     assert "cutedsl" not in dispatch.available_backends("ce_loss_and_grad", device="cpu", dtype=fp32)
@@ -53,38 +52,11 @@ def test_cpu_tensors_are_declined_with_needs_a_cuda_device():
 
 
 def test_predicate_declines_rows_too_long_and_odd_label_dtypes():
-    (impl,) = [i for i in TABLE.candidates("ce_loss_and_grad") if i.backend == "cutedsl"]
+    impl = cutedsl_impl("ce_loss_and_grad")
     wide = torch.empty(1).expand(2, _support.MAX_COLS + 1)
     assert "exceeds" in impl.capability.predicate(wide, torch.zeros(2, dtype=i64))
     assert "int64 or int32" in impl.capability.predicate(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int16))
     assert impl.capability.predicate(torch.zeros(2, 8), torch.zeros(2, dtype=i32)) is None
-
-
-def _cubin_resources(cubin: bytes) -> dict:
-    """Registers, stack frame and local memory of the kernel in a cubin, from its .nv.info records."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_at = sections[shstrndx][4]
-    out = {"regs": None, "frame": 0, "local": 0}
-    for name_off, _, _, _, offset, size, *_ in sections:
-        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)].decode()
-        if name.startswith(".nv.local"):
-            out["local"] += size
-        if name.startswith(".nv.info"):
-            pos = offset
-            while pos < offset + size:
-                fmt, attr, length = cubin[pos], cubin[pos + 1], struct.unpack_from("<H", cubin, pos + 2)[0]
-                if fmt == 0x04:  # EIFMT_SVAL: (function index, value)
-                    value = struct.unpack_from("<I", cubin, pos + 8)[0] if length >= 8 else None
-                    if attr == 0x2F:
-                        out["regs"] = value
-                    elif attr == 0x11:
-                        out["frame"] = max(out["frame"], value)
-                    pos += 4 + length
-                else:
-                    pos += 4
-    return out
 
 
 VARIANTS = [
@@ -107,7 +79,7 @@ def test_kernel_compiles_for_sm90a_without_spills(module, key, tmp_path, monkeyp
     launcher = module._compiled.__wrapped__(*key)  # bypass the process cache: always compile here
     cubin = launcher.compiled.artifacts.CUBIN
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
-    res = _cubin_resources(cubin)
+    res = cubin_resources(cubin)
     assert res["frame"] == 0 and res["local"] == 0, res
     assert res["regs"] is not None and res["regs"] <= 128, res  # >= 2 CTAs of 256 threads per SM
 

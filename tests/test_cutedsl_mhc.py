@@ -19,15 +19,10 @@ from liger_dispatch.backends.cutedsl import _mhc_rows, mhc  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from liger_dispatch.table import TABLE  # noqa: E402
 from mhc_checks import MISSING_GRADS, MISSING_GRADS_IDS, check_empty_batch, check_mhc, inputs  # noqa: E402
-from test_cutedsl_kernels import _cubin_resources  # noqa: E402
+from cutedsl_checks import cubin_resources, cutedsl_impl  # noqa: E402
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 OPS = ("mhc_coeff_fwd", "mhc_coeff_bwd")
-
-
-def _impl(op):
-    (impl,) = [i for i in TABLE.candidates(op) if i.backend == "cutedsl"]
-    return impl
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -35,7 +30,7 @@ def _impl(op):
 
 def test_registered_between_triton_and_helion():
     for op in OPS:
-        impl = _impl(op)
+        impl = cutedsl_impl(op)
         priorities = {i.backend: i.priority for i in TABLE.candidates(op)}
         assert priorities["triton"] < impl.priority < priorities["helion"]
         assert impl.capability.min_cc == (9, 0) and tuple(impl.capability.devices) == ("cuda",)
@@ -43,7 +38,7 @@ def test_registered_between_triton_and_helion():
 
 
 def test_predicate_takes_hc_up_to_8_and_even_k():
-    predicate = _impl("mhc_coeff_fwd").capability.predicate
+    predicate = cutedsl_impl("mhc_coeff_fwd").capability.predicate
     assert predicate(torch.zeros(2, 6), torch.zeros(6, 15), hc=3) is None
     assert "hc=9" in predicate(torch.zeros(2, 18), torch.zeros(18, 99), hc=9)
     assert "odd" in predicate(torch.zeros(2, 9), torch.zeros(9, 15), hc=3)
@@ -95,7 +90,7 @@ def test_kernel_compiles_for_sm90a(compile_fn, key, spills, tmp_path, monkeypatc
     monkeypatch.setenv("LIGER_CUTEDSL_DUMP_DIR", str(tmp_path))
     cubin = compile_fn.__wrapped__(*key).compiled.artifacts.CUBIN  # bypass the process cache
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
-    res = _cubin_resources(cubin)
+    res = cubin_resources(cubin)
     assert res["local"] == 0 and (spills or res["frame"] == 0), res
 
 
