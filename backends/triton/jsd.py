@@ -17,7 +17,7 @@ from ._support import (
     label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
-FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
+FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -49,9 +49,9 @@ def _jsd_kernel(
         d_s = d_s * alpha_s + e_s
         d_t = d_t * alpha_t + e_t
         # masked lanes: e = 0 times (0 - 0)
-        if MODE == 0:
+        if MODE == FORWARD_KL:
             acc = acc * alpha_t + e_t * (t2 - s2)
-        elif MODE == 1:
+        elif MODE == REVERSE_KL:
             acc = acc * alpha_s + e_s * (s2 - t2)
     sum_s = tl.sum(d_s, 0)
     sum_t = tl.sum(d_t, 0)
@@ -59,14 +59,14 @@ def _jsd_kernel(
     lse_t = m_t + tl.log2(sum_t)
 
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
-    if MODE == 0:
+    if MODE == FORWARD_KL:
         # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
         tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
         for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
             s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
-    elif MODE == 1:
+    elif MODE == REVERSE_KL:
         # KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = sum_k q_k (ls2_k - lt2_k); dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)
         kl2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
         tl.store(LOSS + row, kl2 * LN2)
@@ -115,7 +115,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
-    mode = FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE
+    mode = (FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE).value
     _jsd_kernel[(C,)](
         student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0),
         loss if labels is None else labels, 0 if labels is None else labels.stride(0),
