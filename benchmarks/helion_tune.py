@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.shapes import DTYPES
 from liger_dispatch.backends.helion import _support as hs
 from liger_dispatch.backends.helion import ce, jsd, kl_div, mhc
 from liger_dispatch.backends.reference import ce as ref_ce
@@ -41,7 +42,6 @@ from liger_dispatch.backends.reference import kl_div as ref_kl
 from liger_dispatch.backends.reference import mhc as ref_mhc
 
 DEVICE = "cuda"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}  # relative norm of the difference
 
 VOCABS = (32000, 128256, 151936, 262208)  # Llama 2, Llama 3, Qwen, Gemma: buckets 32768 ... 524288
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
         print(f"wrote the defaults of {sum(map(len, entries.values()))} missing keys to {args.out}")
         return
 
-    if DEVICE == "cuda" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise SystemExit("helion_tune needs a CUDA device (or --write-defaults)")
     family = hs.device_family(torch.device(DEVICE))
     start = time.monotonic()

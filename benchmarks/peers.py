@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from benchmarks.shapes import MODEL_OPS
+
 
 class Unsupported(Exception):
     """The peer has no equivalent of this call (an option, a dtype, a shape)."""
@@ -128,9 +130,8 @@ class Peer:
     adapter: Callable[[str], Callable]  # op -> the peer's implementation with our signature
 
 
-_ALL = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 PEERS = {
-    "liger-kernel": Peer("liger-kernel", "liger_kernel", _ALL, _liger),
+    "liger-kernel": Peer("liger-kernel", "liger_kernel", MODEL_OPS, _liger),
     "cut-cross-entropy": Peer("cut-cross-entropy", "cut_cross_entropy", ("flce",), _cce),
     "quack": Peer("quack-kernels", "quack", ("flce",), _quack),
 }

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.env import version
-from benchmarks.shapes import LM_OPS, Case
+from benchmarks.shapes import MODEL_OPS, Case
 
 EAGER = "torch"
 COMPILED = "torch.compile"
@@ -145,7 +145,7 @@ def unknown_names(names: Sequence[str]) -> list[str]:
     from liger_dispatch import dispatch
 
     ours = set()
-    for op in (*LM_OPS, "mhc_coeffs"):
+    for op in MODEL_OPS:
         try:
             ours.update(dispatch.registered_backends(op))
         except KeyError:  # an op not declared (yet)

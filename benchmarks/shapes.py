@@ -8,7 +8,8 @@ from typing import Iterable, Sequence
 import torch
 
 LM_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div")
-OPS = (*LM_OPS, "mhc_coeffs", "dispatch_overhead")
+MODEL_OPS = (*LM_OPS, "mhc_coeffs")  # the ops with peers to compare against
+OPS = (*MODEL_OPS, "dispatch_overhead")
 MODES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_NS = (1024, 2048, 4096, 8192, 16384)

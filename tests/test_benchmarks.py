@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.shapes import OPS
 
 ROOT = Path(__file__).resolve().parents[1]
-OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs", "dispatch_overhead")
 REQUIRED = ("op", "shape", "n", "dtype", "provider", "mode", "ms", "ms_p20", "ms_p80", "peak_mb", "x_roofline")
 
 
