@@ -54,3 +54,20 @@ def check(loss, grad, expected_loss, expected_grad):
     torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-5, atol=2e-5)
     rtol, atol = GRAD_TOL[grad.dtype]
     torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
+
+
+def rel_err(got, want) -> float:
+    """Relative Frobenius error of got against want (got's norm when want is all zero), in float64."""
+    got, want = got.detach().double(), want.detach().double()
+    scale = want.norm()
+    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
+
+
+def assert_rel_close(name, got, want, tol):
+    """Finite, same shape, and within tol relative error, plus twice the truth's own rounding to got's dtype
+    (a value barely representable in it, as a ~1e-9 fp16 gradient, may round to the other neighbour)."""
+    assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    err = rel_err(got, want)
+    limit = tol + 2 * rel_err(want.to(got.dtype), want)
+    assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"

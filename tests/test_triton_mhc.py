@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from liger_dispatch.backends.triton import mhc
+from kernel_checks import rel_err
 from mhc_checks import (GRAD_NAMES, MISSING_GRADS, MISSING_GRADS_IDS, OPTIONS, REL_TOL, check_empty_batch, check_mhc,
-                        inputs, rel_err, upstream)
+                        inputs, upstream)
 
 
 # tiny tiles so that CPU shapes cross every block boundary, split K and group the MM backward's rows
