@@ -23,28 +23,26 @@ logits, labels = inputs(C, V)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def run_ce(x, target, grad_scale=None, block=BLOCK, **options):
-    expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE, **options), x, grad_scale)
-    loss = ce_loss_and_grad(x, target, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block, **options)
+def run_rows(kernel, rows_fn, x, *others, grad_scale=None, block=BLOCK, **options):
+    """kernel(x, *others) against the formula rows_fn: the loss and the gradient written over x; others unchanged."""
+    before = [None if o is None else o.clone() for o in others]
+    expected = reference(lambda z: rows_fn(z, *others, ignore_index=IGNORE, **options), x, grad_scale)
+    loss = kernel(x, *others, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block, **options)
     check(loss, x, *expected)
+    for o, b in zip(others, before):
+        assert o is None or torch.equal(o, b)
+
+
+def run_ce(x, target, grad_scale=None, block=BLOCK, **options):
+    run_rows(ce_loss_and_grad, ce_rows, x, target, grad_scale=grad_scale, block=block, **options)
 
 
 def run_jsd(student, teacher, lab, grad_scale=None, block=BLOCK, **options):
-    teacher_before = teacher.clone()
-    expected = reference(lambda s: jsd_rows(s, teacher, lab, ignore_index=IGNORE, **options), student, grad_scale)
-    loss = jsd_loss_and_grad(student, teacher, lab, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block,
-                             **options)
-    check(loss, student, *expected)
-    assert torch.equal(teacher, teacher_before)
+    run_rows(jsd_loss_and_grad, jsd_rows, student, teacher, lab, grad_scale=grad_scale, block=block, **options)
 
 
 def run_kl(student, target, lab, grad_scale=None, block=BLOCK, **options):
-    target_before = target.clone()
-    expected = reference(lambda s: kl_div_rows(s, target, lab, ignore_index=IGNORE, **options), student, grad_scale)
-    loss = kl_div_loss_and_grad(student, target, lab, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block,
-                                **options)
-    check(loss, student, *expected)
-    assert torch.equal(target, target_before)
+    run_rows(kl_div_loss_and_grad, kl_div_rows, student, target, lab, grad_scale=grad_scale, block=block, **options)
 
 
 def probabilities(rows=C, vocab=V, dtype=torch.float32, zeros=20):
