@@ -164,17 +164,19 @@ def floor_bytes(m, k, hc, x_bytes):
     return fwd, bwd
 
 
-def sweep(name, configs, fn, reference_out):
-    """Time fn(config) for each config; a config that fails to compile or disagrees with the default is shown."""
+def sweep(name, launch, configs, fn, reference_out):
+    """Time fn() with each config of launch knobs set; a config that fails to compile or disagrees with the default
+    is shown."""
     rows = []
     for cfg in configs:
         try:
-            out = fn(cfg)
-            errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
-            if max(errs) > 1e-2:
-                rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
-                continue
-            rows.append((do_bench(lambda: fn(cfg)), cfg, ""))
+            with launch.using(**cfg):
+                out = fn()
+                errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
+                if max(errs) > 1e-2:
+                    rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
+                    continue
+                rows.append((do_bench(fn), cfg, ""))
         except Exception as exc:  # too much shared memory, say: report and go on
             rows.append((float("inf"), cfg, type(exc).__name__))
     rows.sort(key=lambda r: r[0])
@@ -218,12 +220,11 @@ def main():
 
         saved = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
 
-        def fwd(config=None):
-            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS, **({"config": config} if config else {}))
+        def fwd():
+            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
 
-        def bwd(config=None):
-            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, **OPTIONS,
-                                     **({"config": config} if config else {}))
+        def bwd():
+            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, **OPTIONS)
 
         def fwd_bwd():
             out = fwd()
@@ -252,8 +253,8 @@ def main():
                   f"{us / floor_us:10.2f}")
         if args.sweep:
             fwd_configs, bwd_configs = SWEEPS[backend]
-            sweep("fwd", fwd_configs, fwd, fwd())
-            sweep("bwd", bwd_configs, bwd, bwd())
+            sweep("fwd", mhc.FWD_LAUNCH, fwd_configs, fwd, fwd())
+            sweep("bwd", mhc.BWD_LAUNCH, bwd_configs, bwd, bwd())
     print(f"\n{time.perf_counter() - started:.0f} s")
     sys.exit(0 if ok else 1)
 

@@ -6,6 +6,7 @@ On the CPU they run under TRITON_INTERPRET=1 with tiny shapes and forced small t
 the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -24,10 +25,17 @@ SPLIT_FWD = dict(BM=16, BK=16, split=2)
 GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
 
 
+@contextlib.contextmanager
+def launch(fwd_config=None, bwd_config=None):
+    """Forward and backward launched with these knobs (ForwardLaunch / BackwardLaunch fields) set."""
+    with mhc.FWD_LAUNCH.using(**(fwd_config or {})), mhc.BWD_LAUNCH.using(**(bwd_config or {})):
+        yield
+
+
 def run(m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), fwd_config=None, bwd_config=None,
         x_row_stride=None, phi_dtype=None, **checks):
-    return check_mhc(mhc, m, hc, c, tmax, dtype, present, x_row_stride, phi_dtype, dict(config=fwd_config),
-                     dict(config=bwd_config), **checks)
+    with launch(fwd_config, bwd_config):
+        return check_mhc(mhc, m, hc, c, tmax, dtype, present, x_row_stride, phi_dtype, **checks)
 
 
 # ---------------------------------------------------------------- CPU (interpreter), tiny shapes
@@ -196,8 +204,9 @@ def _check_direct_launch():
 
     def call(args, grads, hc, fwd_config, bwd_config):
         launches.clear()
-        outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, config=fwd_config, **OPTIONS)
-        mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, config=bwd_config, **OPTIONS)
+        with launch(fwd_config, bwd_config):
+            outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, **OPTIONS)
+            mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, **OPTIONS)
         return [(kernel, a[:6], [layout(v) for v in a[9:]], a[6:9]) for kernel, a in launches]
 
     misaligned = torch.zeros(2)[1]  # 4 bytes into its buffer

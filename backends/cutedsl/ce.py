@@ -11,13 +11,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
 from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=4)
+LAUNCH = LaunchKnobs("cutedsl ce_loss_and_grad", Tuning(threads=256, unroll=4))
 
 
 class CrossEntropyKernel:
@@ -133,17 +134,14 @@ def _limits(logits, target, **_):
 
 @register_backend("ce_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
 def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-                     lse_square_scale=0.0, tuning=None):
-    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+                     lse_square_scale=0.0):
+    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
     loss, C, V = row_losses(logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)
     target = per_row(target)
-    run = _compiled(logits.dtype, target.dtype, pick_vec(V, logits), tuning or TUNING, scale is not None,
+    run = _compiled(logits.dtype, target.dtype, pick_vec(V, logits), LAUNCH.current, scale is not None,
                     softcap is not None, label_smoothing != 0.0)
     run(logits, target, loss, scale, step, ignore_index, float(label_smoothing), float(lse_square_scale),
         float(softcap) if softcap is not None else 1.0)

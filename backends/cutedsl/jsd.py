@@ -15,13 +15,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
 from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=2)
+LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", Tuning(threads=256, unroll=2))
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 # m below the smallest normal fp32 only arises when p and q flushed to 0 too: clamp keeps log2 m finite.
 M_FLOOR = 1.1754944e-38
@@ -164,17 +165,14 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
     ))
 
 
-def _limits(student_logits, _other, labels, **_):
+def _limits(student_logits, _other, labels=None, **_):
     return row_limits(student_logits, labels)
 
 
 @register_backend("jsd_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
-def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
-                      grad_scale=None, tuning=None):
-    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+                      grad_scale=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -182,6 +180,6 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
     vec = pick_vec(V, student_logits, teacher_logits)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
-                    tuning or TUNING, beta_case(float(beta)), scale is not None)
+                    LAUNCH.current, beta_case(float(beta)), scale is not None)
     run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))
     return loss

@@ -11,13 +11,14 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
 from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=2)
+LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", Tuning(threads=256, unroll=2))
 # log max(q, eps) with eps floored at the smallest normal fp32: q = 0 then gives 0 * finite = 0, also for eps = 0.
 EPS_FLOOR = 1.1754944e-38
 
@@ -122,17 +123,14 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale)
     ))
 
 
-def _limits(student_logits, _other, labels, **_):
+def _limits(student_logits, _other, labels=None, **_):
     return row_limits(student_logits, labels)
 
 
 @register_backend("kl_div_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
-def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                         log_target=False, grad_scale=None, tuning=None):
-    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                         log_target=False, grad_scale=None):
+    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -140,7 +138,7 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
     vec = pick_vec(V, student_logits, target)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
-                    tuning or TUNING, bool(log_target), scale is not None)
+                    LAUNCH.current, bool(log_target), scale is not None)
     run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature),
         max(float(eps), EPS_FLOOR))
     return loss

@@ -138,7 +138,7 @@ MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
 
 
 @register_backend("jsd_loss_and_grad", backend="helion", priority=PRIORITY, capability=CAPABILITY)
-def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
                       grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
     loss, C, V = row_losses(student_logits)

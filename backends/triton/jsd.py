@@ -11,9 +11,10 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
     label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
 )
 
@@ -103,14 +104,14 @@ def _jsd_kernel(
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
 
 
+LAUNCH = LaunchKnobs("triton jsd_loss_and_grad", RowLaunch())
+
+
 @register_backend("jsd_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
 def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
-                      grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+                      grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits.
-
-    The teacher is only read. block_size / num_warps / num_stages override the launch configuration (tests,
-    tuning sweeps).
-    """
+    The teacher is only read."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -122,7 +123,6 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
         loss, scale, scale_stride,
         ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature,
         V=V, MODE=mode, HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
-        **row_launch(V, student_logits, teacher_logits, block_size=block_size, num_warps=num_warps,
-                     num_stages=num_stages),
+        **row_launch(V, student_logits, teacher_logits, knobs=LAUNCH.current),
     )
     return loss
