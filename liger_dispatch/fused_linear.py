@@ -139,7 +139,8 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
 
 
 def _wanted(need_grads, count: int) -> list[bool]:
-    return [bool(w) for w in need_grads] + [False] * (count - len(need_grads))
+    """need_grads as `count` flags (missing ones are False)."""
+    return ([bool(w) for w in need_grads] + [False] * count)[:count]
 
 
 def compose_flce(kernel: Callable) -> Callable:

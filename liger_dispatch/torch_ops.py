@@ -156,9 +156,18 @@ def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...
     return spec.schema.bind(args[:own], kwargs), pinned, extra
 
 
-def _unaliased(outputs):
-    """Outputs with no view among them (a torch op's outputs may not alias each other)."""
-    return tuple(o.clone() if isinstance(o, torch.Tensor) and o._base is not None else o for o in outputs)
+def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
+    """The outputs, each one that shares memory with an input or an earlier output cloned (a torch op's outputs
+    may alias neither)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    result = []
+    for out in outputs:
+        if isinstance(out, torch.Tensor) and out.numel():
+            if out.untyped_storage().data_ptr() in seen:
+                out = out.clone()
+            seen.add(out.untyped_storage().data_ptr())
+        result.append(out)
+    return tuple(result)
 
 
 def _define_kernel(spec: OpSpec) -> None:
@@ -166,7 +175,7 @@ def _define_kernel(spec: OpSpec) -> None:
         a, pinned, _ = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
         out = run(spec, pinned, a, positional, options)
-        return _unaliased(out) if isinstance(out, tuple) else out
+        return _unaliased(out, positional) if isinstance(out, tuple) else out
 
     def fake(*args, **kwargs):
         return spec.fake(_bind(spec, args, kwargs)[0])
@@ -242,7 +251,8 @@ def _define_with_backward(spec: OpSpec) -> None:
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
         positional_args, options = spec.schema.call_args(a)
-        return selection.select(spec.name, pinned, positional_args, options).fn(*positional_args, **options)
+        fn = selection.select(spec.name, pinned, positional_args, options).fn
+        return _unaliased(fn(*positional_args, **options), positional_args)
 
     def fake(*args, **kwargs):
         return spec.fake(_bind(spec, args, kwargs)[0])
