@@ -25,6 +25,7 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32: the fast log2 flushes anything below to 0
 # Finite "minus infinity" for running maxima: exp2(m_old - m_new) stays 1 or 0, never NaN (-inf - -inf).
 NEG_BIG = -3.0e38
 # createpolicy.fractional.L2::evict_{last,first}.b64 with fraction 1.0 (CUTLASS's CacheHintSm90 values).
@@ -156,8 +157,9 @@ def lse_merge(m_a: Float32, d_a: Float32, m_b: Float32, d_b: Float32):
 
 
 @cute.jit
-def lse_update(m: Float32, d: Float32, x2: cute.TensorSSA):
-    """Fold a tile of base-2 values (padding = -inf) into the running (max, sum exp2) state."""
+def online_softmax_step(m: Float32, d: Float32, x2: cute.TensorSSA):
+    """One tile of an online softmax in base 2: fold the tile's values (padding = -inf) into the running
+    (max, sum exp2) state."""
     m_new = cute.arch.fmax(m, x2.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0))
     e = cute.math.exp2(x2 - m_new, fastmath=True)
     d = d * cute.math.exp2(m - m_new, fastmath=True) + e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)

@@ -14,7 +14,8 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, online_softmax_step, tile_sum,
+                   zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
@@ -71,13 +72,13 @@ class CrossEntropyKernel:
             z_sum = Float32(0.0)
             for k in cutlass.range(n_full, unroll=1):
                 z, _ = self.logits(tiles.load(k, keep=True), softcap)
-                m, d = lse_update(m, d, z * LOG2E)
+                m, d = online_softmax_step(m, d, z * LOG2E)
                 if const_expr(self.has_smoothing):
                     z_sum += tile_sum(z)
             if tail:
                 pred = tiles.predicate(n_full)
                 z, _ = self.logits(tiles.load(n_full, pred, keep=True), softcap)
-                m, d = lse_update(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
+                m, d = online_softmax_step(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
                 if const_expr(self.has_smoothing):
                     z_sum += tile_sum(z)
             m, d = block_lse(m, d, buf, 0)

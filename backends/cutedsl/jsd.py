@@ -18,14 +18,13 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, online_softmax_step,
+                   tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
 LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", Tuning(threads=256, unroll=2))
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-# m below the smallest normal fp32 only arises when p and q flushed to 0 too: clamp keeps log2 m finite.
-M_FLOOR = 1.1754944e-38
 
 
 def beta_case(beta):
@@ -59,7 +58,8 @@ class JSDKernel:
             return q * diff, q, diff
         else:
             m = beta * p + (1.0 - beta) * q
-            lm = cute.math.log2(cute.where(m > M_FLOOR, m, M_FLOOR), fastmath=True)
+            # m below FLT_MIN only arises when p and q flushed to 0 too: the clamp keeps log2 m finite
+            lm = cute.math.log2(cute.where(m > FLT_MIN, m, FLT_MIN), fastmath=True)
             diff = lq - lm
             return beta * p * (lp - lm) + (1.0 - beta) * q * diff, q, diff
 
@@ -86,15 +86,15 @@ class JSDKernel:
             m_t = Float32(NEG_BIG)
             d_t = Float32(0.0)
             for k in cutlass.range(n_full, unroll=1):
-                m_s, d_s = lse_update(m_s, d_s, student.load(k, keep=True) * to_base2)
-                m_t, d_t = lse_update(m_t, d_t, teacher.load(k, keep=True) * to_base2)
+                m_s, d_s = online_softmax_step(m_s, d_s, student.load(k, keep=True) * to_base2)
+                m_t, d_t = online_softmax_step(m_t, d_t, teacher.load(k, keep=True) * to_base2)
             if tail:
                 pred = student.predicate(n_full)
                 mask = student.element_mask(pred)
                 s2 = student.load(n_full, pred, keep=True) * to_base2
                 t2 = teacher.load(n_full, pred, keep=True) * to_base2
-                m_s, d_s = lse_update(m_s, d_s, cute.where(mask, s2, -Float32.inf))
-                m_t, d_t = lse_update(m_t, d_t, cute.where(mask, t2, -Float32.inf))
+                m_s, d_s = online_softmax_step(m_s, d_s, cute.where(mask, s2, -Float32.inf))
+                m_t, d_t = online_softmax_step(m_t, d_t, cute.where(mask, t2, -Float32.inf))
             m_s, d_s = block_lse(m_s, d_s, buf, 0)
             m_t, d_t = block_lse(m_t, d_t, buf, 2)
             lse_s = m_s + cute.math.log2(d_s, fastmath=True)

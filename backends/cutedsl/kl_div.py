@@ -14,13 +14,12 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, online_softmax_step,
+                   tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
 LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", Tuning(threads=256, unroll=2))
-# log max(q, eps) with eps floored at the smallest normal fp32: q = 0 then gives 0 * finite = 0, also for eps = 0.
-EPS_FLOOR = 1.1754944e-38
 
 
 class KLDivKernel:
@@ -74,7 +73,7 @@ class KLDivKernel:
             for k in cutlass.range(n_full, unroll=1):
                 s = student.load(k, keep=True) * inv_temp
                 q, q_log_q = self.target(target.load(k, keep=True), eps)
-                m, d = lse_update(m, d, s * LOG2E)
+                m, d = online_softmax_step(m, d, s * LOG2E)
                 acc_qlogq += tile_sum(q_log_q)
                 acc_qs += tile_sum(q * s)
                 acc_q += tile_sum(q)
@@ -82,7 +81,7 @@ class KLDivKernel:
                 pred = student.predicate(n_full)
                 s = student.load(n_full, pred, keep=True) * inv_temp
                 q, q_log_q = self.target(target.load(n_full, pred, self.target_fill, keep=True), eps)
-                m, d = lse_update(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
+                m, d = online_softmax_step(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
                 acc_qlogq += tile_sum(q_log_q)
                 acc_qs += tile_sum(q * s)
                 acc_q += tile_sum(q)
@@ -140,5 +139,5 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
                     LAUNCH.current, bool(log_target), scale is not None)
     run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature),
-        max(float(eps), EPS_FLOOR))
+        max(float(eps), FLT_MIN))  # log max(q, eps) stays finite: q = 0 gives 0 * finite = 0, also for eps = 0
     return loss
