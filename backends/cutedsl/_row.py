@@ -213,11 +213,11 @@ def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     )
 
 
-def label_ignored(mLabels, row, ignore_index):
-    """Whether the row's label is ignore_index; never without labels (mLabels None)."""
+def valid_row(mLabels, row, ignore_index):
+    """Whether the row counts: its label is not ignore_index; always without labels (mLabels None)."""
     if const_expr(mLabels is None):
-        return Boolean(False)
-    return mLabels[row] == ignore_index
+        return Boolean(True)
+    return mLabels[row] != ignore_index
 
 
 @cute.jit

@@ -73,10 +73,10 @@ class JSDKernel:
         student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
         teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
         n_full, tail = student.span()
-        ignored = _row.label_ignored(mLabels, row, ignore_index)
+        valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
-        if ignored:
+        if not valid:
             zero_row(student, n_full, tail)
         else:
             to_base2 = inv_temp * LOG2E

@@ -58,10 +58,10 @@ class KLDivKernel:
         student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
         target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
         n_full, tail = student.span()
-        ignored = _row.label_ignored(mLabels, row, ignore_index)
+        valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
-        if ignored:
+        if not valid:
             zero_row(student, n_full, tail)
         else:
             # Pass 1: softmax state of s = student / T (base 2), and A, B, Q (padding has q = 0, s = 0).

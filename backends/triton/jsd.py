@@ -15,7 +15,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -35,7 +35,7 @@ def _jsd_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     T += row * t_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 

@@ -13,7 +13,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    label_ignored, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 
@@ -41,7 +41,7 @@ def _kl_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     Q += row * q_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
