@@ -34,7 +34,7 @@ EVICT_FIRST = 0x12F0000000000000
 
 
 @dataclass(frozen=True)
-class Tuning:
+class RowLaunch:
     """Launch shape of a row kernel (part of its compile key)."""
 
     threads: int = 256  # per CTA, a power of two from 64 to 1024
@@ -67,17 +67,17 @@ class RowTiles:
     l2_hints: bool
 
     @staticmethod
-    def of(mX: cute.Tensor, row, tidx, vec: int, tuning: Tuning):
+    def of(mX: cute.Tensor, row, tidx, vec: int, launch: RowLaunch):
         dtype = mX.element_type
         bits = vec * dtype.width
-        threads, values = cute.make_layout(tuning.threads), cute.make_layout(vec)
+        threads, values = cute.make_layout(launch.threads), cute.make_layout(vec)
         load = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits), threads, values)
         store = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
                                 store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING), threads, values)
         return RowTiles(mX[row, None], cute.make_identity_tensor(mX.shape[1]), mX.shape[1], load.get_slice(tidx),
-                        store.get_slice(tidx), load, store, tuning.tile(vec), tuning.l2_hints)
+                        store.get_slice(tidx), load, store, launch.tile(vec), launch.l2_hints)
 
     def _tile(self, t, k):
         return cute.local_tile(t, (self.tile,), (k,))

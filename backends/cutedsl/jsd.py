@@ -18,12 +18,12 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, online_softmax_step,
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
                    tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", Tuning(threads=256, unroll=2))
+LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", RowLaunch(threads=256, unroll=2))
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
 
@@ -32,19 +32,19 @@ def beta_case(beta):
 
 
 class JSDKernel:
-    def __init__(self, vec, tuning, case, has_scale):
+    def __init__(self, vec, launch, case, has_scale):
         self.vec = vec
         self.case = case
         self.has_scale = has_scale
-        self.tuning = tuning
-        self.tile = tuning.tile(vec)
+        self.launch = launch
+        self.tile = launch.tile(vec)
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
                  inv_temp: Float32, stream):
         self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
+            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
 
     @cute.jit
     def divergence(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32):
@@ -69,9 +69,9 @@ class JSDKernel:
                inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 6)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 6)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
@@ -154,10 +154,10 @@ class JSDKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, launch, case, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = JSDKernel(vec, tuning, case, has_scale)
+    kernel = JSDKernel(vec, launch, case, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),

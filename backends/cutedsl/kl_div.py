@@ -14,21 +14,21 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, online_softmax_step,
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
                    tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", Tuning(threads=256, unroll=2))
+LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", RowLaunch(threads=256, unroll=2))
 
 
 class KLDivKernel:
-    def __init__(self, vec, tuning, log_target, has_scale):
+    def __init__(self, vec, launch, log_target, has_scale):
         self.vec = vec
         self.log_target = log_target
         self.has_scale = has_scale
-        self.tuning = tuning
-        self.tile = tuning.tile(vec)
+        self.launch = launch
+        self.tile = launch.tile(vec)
         # Padding must read as q = 0: probability 0, or log-probability -inf.
         self.target_fill = -float("inf") if log_target else 0.0
 
@@ -37,7 +37,7 @@ class KLDivKernel:
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
                  eps: Float32, stream):
         self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
+            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
 
     @cute.jit
     def target(self, t: cute.TensorSSA, eps: Float32):
@@ -54,9 +54,9 @@ class KLDivKernel:
                eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 5)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 5)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
@@ -111,10 +111,10 @@ class KLDivKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, launch, log_target, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = KLDivKernel(vec, tuning, log_target, has_scale)
+    kernel = KLDivKernel(vec, launch, log_target, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
