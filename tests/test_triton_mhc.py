@@ -7,6 +7,7 @@ the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -110,23 +111,27 @@ def test_calls_of_one_shape_that_differ_elsewhere():
 
 
 @pytest.mark.parametrize("views", [False, True], ids=["fresh", "views"])
-def test_user_level_outputs_take_in_place_changes(views):
+def test_user_level_outputs_take_in_place_changes(views, isolated_table):
     """The composed op's outputs are no views made inside its autograd Function (autograd forbids changing
-    those in place), also when a backend's forward returns views."""
+    those in place), also when a backend's forward returns views (a backend registered here: Triton's kernels,
+    its forward's outputs made views)."""
+    from liger_dispatch import dispatch, register_backend
     from liger_dispatch.backends.reference.formulas import mhc_coeffs
-    from liger_dispatch.mhc import compose_mhc
 
+    @functools.wraps(mhc.mhc_coeff_fwd)
     def fwd(*args, **kwargs):
         pre, post, res, mix, rstd = mhc.mhc_coeff_fwd(*args, **kwargs)
         return (pre.t().contiguous().t(), post[:, :], res, mix, rstd) if views else (pre, post, res, mix, rstd)
 
+    register_backend("mhc_coeff_fwd", backend="views", capability=mhc.MHC_CAPABILITY)(fwd)
+    register_backend("mhc_coeff_bwd", backend="views", capability=mhc.MHC_CAPABILITY)(mhc.mhc_coeff_bwd)
     hc, tmax = 4, 3
     x, phi, b, *alphas = inputs(6, hc, 8)
     leaves = [t.reshape(2, 3, hc, 8) if t is x else t for t in (x, phi, b, *alphas)]
     got = [t.clone().requires_grad_() for t in leaves]
     want = [t.double().requires_grad_() for t in leaves]
     weights = [u.reshape(2, 3, *u.shape[1:]) for u in upstream(6, hc)]
-    outs = compose_mhc(fwd, mhc.mhc_coeff_bwd)(*got, tmax=tmax, **OPTIONS)
+    outs = dispatch.op("mhc_coeffs", backend="views")(*got, tmax=tmax, **OPTIONS)
     for h in outs:
         h.mul_(2.0)
     sum((h * u).sum() for h, u in zip(outs, weights)).backward()
