@@ -257,13 +257,13 @@ def sweep(kernels, C, V, dtype):
             times = {}
             for threads, unroll in SWEEP:
                 for hints in (True, False):
-                    with launches[name].using(threads=threads, unroll=unroll, l2_hints=hints) as tuning:
+                    with launches[name].using(threads=threads, unroll=unroll, l2_hints=hints) as knobs:
                         x = pristine.clone()
                         loss = fn(x, *inputs[1:], **kwargs)
                         ok, text = compare(dtype, loss[rows], x[rows], ref_loss, ref_grad)
                         if not ok:
-                            raise AssertionError(f"{tuning}: {text}")
-                        times[tuning] = do_bench(lambda: fn(*inputs, **kwargs), warmup=10, rep=50)
+                            raise AssertionError(f"{knobs}: {text}")
+                        times[knobs] = do_bench(lambda: fn(*inputs, **kwargs), warmup=10, rep=50)
             best = min(times, key=times.get)
             cells = [f"{t.threads}/{t.unroll}{'' if t.l2_hints else ' nohint'} {ms:.3f}{' *' if t == best else ''}"
                      for t, ms in times.items()]

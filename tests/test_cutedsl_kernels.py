@@ -20,7 +20,7 @@ pytest.importorskip("cutlass")
 
 from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
-from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
+from liger_dispatch.backends.cutedsl._row import RowLaunch  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from cutedsl_checks import cubin_resources, cutedsl_impl  # noqa: E402
 
@@ -61,12 +61,12 @@ def test_predicate_declines_rows_too_long_and_odd_label_dtypes():
 
 VARIANTS = [
     (ce, (bf16, i64, 8, ce.LAUNCH.default, False, False, False)),
-    (ce, (fp32, i64, 4, Tuning(threads=1024, unroll=2, l2_hints=False), True, True, True)),
+    (ce, (fp32, i64, 4, RowLaunch(threads=1024, unroll=2, l2_hints=False), True, True, True)),
     (ce, (fp16, i32, 1, ce.LAUNCH.default, True, False, True)),
     (jsd, (bf16, bf16, i64, 8, jsd.LAUNCH.default, jsd.FORWARD_KL, True)),
-    (jsd, (bf16, bf16, None, 8, Tuning(threads=512, unroll=4), jsd.REVERSE_KL, False)),
+    (jsd, (bf16, bf16, None, 8, RowLaunch(threads=512, unroll=4), jsd.REVERSE_KL, False)),
     (jsd, (fp32, bf16, i64, 4, jsd.LAUNCH.default, jsd.MIXTURE, True)),
-    (jsd, (fp16, fp16, i32, 2, Tuning(threads=64, unroll=1), jsd.MIXTURE, False)),
+    (jsd, (fp16, fp16, i32, 2, RowLaunch(threads=64, unroll=1), jsd.MIXTURE, False)),
     (kl_div, (bf16, bf16, i64, 8, kl_div.LAUNCH.default, False, True)),
     (kl_div, (bf16, fp32, None, 4, kl_div.LAUNCH.default, True, False)),
 ]
@@ -163,7 +163,7 @@ def test_launch_knobs_are_set_outside_the_op_arguments(recorder):
     with ce.LAUNCH.using(threads=512, l2_hints=False):
         ce.ce_loss_and_grad(x, y)
     ce.ce_loss_and_grad(x, y)
-    assert [key[3] for key in recorder.keys] == [Tuning(threads=512, unroll=4, l2_hints=False), ce.LAUNCH.default]
+    assert [key[3] for key in recorder.keys] == [RowLaunch(threads=512, unroll=4, l2_hints=False), ce.LAUNCH.default]
 
 
 def test_fallback_views_have_the_compiled_dynamic_layouts():

@@ -7,6 +7,7 @@ the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -112,28 +113,25 @@ def test_calls_of_one_shape_that_differ_elsewhere():
 @pytest.mark.parametrize("views", [False, True], ids=["fresh", "views"])
 def test_user_level_outputs_take_in_place_changes(views, isolated_table):
     """The composed op's outputs are no views made inside its autograd Function (autograd forbids changing
-    those in place), also when a backend's forward returns views."""
-    import liger_dispatch as ld
-    from liger_dispatch import dispatch
+    those in place), also when a backend's forward returns views (a backend registered here: Triton's kernels,
+    its forward's outputs made views)."""
+    from liger_dispatch import dispatch, register_backend
     from liger_dispatch.backends.reference.formulas import mhc_coeffs
 
-    def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                      sinkhorn_eps=1e-6, post_mult=2.0):
-        pre, post, res, mix, rstd = mhc.mhc_coeff_fwd(
-            x, phi, b, alpha_pre, alpha_post, alpha_res, hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps,
-            sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)
+    @functools.wraps(mhc.mhc_coeff_fwd)
+    def fwd(*args, **kwargs):
+        pre, post, res, mix, rstd = mhc.mhc_coeff_fwd(*args, **kwargs)
         return (pre.t().contiguous().t(), post[:, :], res, mix, rstd) if views else (pre, post, res, mix, rstd)
 
-    capability = ld.Capability(devices=("cpu",))
-    ld.register_backend("mhc_coeff_fwd", backend="viewy", priority=1, capability=capability)(mhc_coeff_fwd)
-    ld.register_backend("mhc_coeff_bwd", backend="viewy", priority=1, capability=capability)(mhc.mhc_coeff_bwd)
+    register_backend("mhc_coeff_fwd", backend="views", capability=mhc.MHC_CAPABILITY)(fwd)
+    register_backend("mhc_coeff_bwd", backend="views", capability=mhc.MHC_CAPABILITY)(mhc.mhc_coeff_bwd)
     hc, tmax = 4, 3
     x, phi, b, *alphas = inputs(6, hc, 8)
     leaves = [t.reshape(2, 3, hc, 8) if t is x else t for t in (x, phi, b, *alphas)]
     got = [t.clone().requires_grad_() for t in leaves]
     want = [t.double().requires_grad_() for t in leaves]
     weights = [u.reshape(2, 3, *u.shape[1:]) for u in upstream(6, hc)]
-    outs = dispatch.op("mhc_coeffs", backend="viewy")(*got, tmax=tmax, **OPTIONS)
+    outs = dispatch.op("mhc_coeffs", backend="views")(*got, tmax=tmax, **OPTIONS)
     for h in outs:
         h.mul_(2.0)
     sum((h * u).sum() for h, u in zip(outs, weights)).backward()

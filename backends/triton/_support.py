@@ -120,12 +120,12 @@ def load_scale(SCALE, scale_stride, row, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS: tl.constexpr):
-    """Whether the row's label is ignore_index; never without labels."""
+def valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS: tl.constexpr):
+    """Whether the row counts: its label is not ignore_index; always without labels."""
     if HAS_LABELS:
-        return tl.load(LABELS + row * label_stride) == ignore_index
+        return tl.load(LABELS + row * label_stride) != ignore_index
     else:
-        return False
+        return True
 
 
 @triton.jit

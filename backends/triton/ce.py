@@ -15,7 +15,10 @@ from ._support import (
 
 @triton.jit
 def _ce_kernel(
-    X, x_stride, Y, y_stride, LOSS, SCALE, scale_stride,
+    X, x_stride,  # [C, V] logits, overwritten by the gradient
+    Y, y_stride,  # [C] int target classes, ignore_index for a skipped row
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, smoothing, lse_square_scale, softcap, inv_softcap,
     V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,

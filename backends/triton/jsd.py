@@ -15,7 +15,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -23,7 +23,11 @@ FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr
 
 @triton.jit
 def _jsd_kernel(
-    S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    S, s_stride,  # [C, V] student logits, overwritten by the gradient
+    T, t_stride,  # [C, V] teacher logits, only read
+    LABELS, label_stride,  # [C] int labels, a row whose label is ignore_index is skipped; unread without HAS_LABELS
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, beta, to_log2, grad_mult,
     V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -31,7 +35,7 @@ def _jsd_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     T += row * t_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 

@@ -13,7 +13,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    label_ignored, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 
@@ -29,7 +29,11 @@ def _target_probs(target, mask, LOG_TARGET: tl.constexpr):
 
 @triton.jit
 def _kl_kernel(
-    S, s_stride, Q, q_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    S, s_stride,  # [C, V] student logits, overwritten by the gradient
+    Q, q_stride,  # [C, V] target probabilities (log-probabilities when LOG_TARGET), only read
+    LABELS, label_stride,  # [C] int labels, a row whose label is ignore_index is skipped; unread without HAS_LABELS
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, to_log2, grad_mult, eps,
     V: tl.constexpr, LOG_TARGET: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -37,7 +41,7 @@ def _kl_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     Q += row * q_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
