@@ -52,6 +52,7 @@ class _WeightGrad:
     """dW accumulated over chunks: the first chunk writes, the next ones addmm in place."""
 
     def __init__(self, weight: torch.Tensor, accum_dtype: Optional[torch.dtype]):
+        self.weight = weight
         self.dtype = accum_dtype or weight.dtype
         self.out_dtype = weight.dtype
         self.value: Optional[torch.Tensor] = None
@@ -71,9 +72,9 @@ class _WeightGrad:
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
 
-    def result(self, unscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        if self.value is None:
-            return None
+    def result(self, unscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.value is None:  # no chunk ran: an empty batch
+            return torch.zeros_like(self.weight)
         return (self.value if unscale is None else self.value * unscale).to(self.out_dtype)
 
 
@@ -114,7 +115,10 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             dw.add(logits, x_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
-    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
+    if len(losses) == 1:
+        loss_rows = losses[0]
+    else:  # several chunks, or none (an empty batch)
+        loss_rows = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float32, device=x.device)
     if unscale is not None:
         for grad in (dx, db):
             if grad is not None:
