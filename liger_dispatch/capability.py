@@ -33,6 +33,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def device_reason(devices: Sequence[str], device_type: str) -> Optional[str]:
+    """Why an implementation accepting tensors on `devices` (empty: any) turns down `device_type` ones, or None."""
+    if not devices or device_type in devices:
+        return None
+    if device_type == "cpu" and "cuda" in devices:
+        return f"needs a CUDA device, got {device_type} tensors"
+    return f"needs a {'/'.join(devices)} device, got {device_type} tensors"
+
+
 @dataclass(frozen=True)
 class Capability:
     """Where an implementation runs.
@@ -52,12 +61,14 @@ class Capability:
     modules: Sequence[str] = ()
     predicate: Optional[Callable[..., Optional[str]]] = field(default=None, compare=False)
 
+    def accepts_device_type(self, device_type: str) -> bool:
+        return device_reason(self.devices, device_type) is None
+
     def static_reason(self, device: torch.device, dtypes: Sequence[torch.dtype]) -> Optional[str]:
         """Why this capability rejects calls on `device` with these floating dtypes, or None."""
-        if self.devices and device.type not in self.devices:
-            if device.type == "cpu" and "cuda" in self.devices:
-                return f"needs a CUDA device, got {device.type} tensors"
-            return f"needs a {'/'.join(self.devices)} device, got {device.type} tensors"
+        reason = device_reason(self.devices, device.type)
+        if reason is not None:
+            return reason
         cc = device_capability(device)
         if cc is not None:
             if self.min_cc is not None and cc < tuple(self.min_cc):

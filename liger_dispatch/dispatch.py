@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import selection
+from liger_dispatch import discovery, selection
 from liger_dispatch.table import TABLE, Impl, reference_last
 
 
@@ -81,6 +81,9 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     impls = TABLE.candidates(name)
     for backend in registered_backends(name):
         mine = [i for i in impls if i.backend == backend]
+        status[backend] = discovery.out_of_reach(backend, device.type)
+        if status[backend] is not None:
+            continue
         if not mine:
             status[backend] = TABLE.unavailable_reason(name, backend)
             continue

@@ -17,9 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch.selection import getenv
+from liger_dispatch import settings
 
-DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
 # fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
 # (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
@@ -37,10 +36,10 @@ def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
-    forced = getenv("LIGER_CHUNK_ROWS")
+    forced = settings.CHUNK_ROWS.get()
     if forced:
-        return max(1, min(int(forced), n_rows))
-    budget = float(getenv("LIGER_CHUNK_BUDGET_MB") or DEFAULT_BUDGET_MB) * 2**20
+        return max(1, min(forced, n_rows))
+    budget = settings.CHUNK_BUDGET_MB.get() * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:
         return max(n_rows, 1)
