@@ -26,4 +26,11 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("liger_dispatch.nn")
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            return metadata.version("liger-dispatch")
+        except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+            return "0+unknown"
     raise AttributeError(f"module 'liger_dispatch' has no attribute {name!r}")

@@ -22,6 +22,16 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     return cc
 
 
+def default_device() -> torch.device:
+    """The device a question about "here" is about: CUDA when this machine has one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What training runs in on that device: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _module_missing(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is None

@@ -10,18 +10,13 @@ from typing import Optional
 import torch
 
 from liger_dispatch import settings
-from liger_dispatch.capability import dtype_name
+from liger_dispatch.capability import default_device, default_dtype, dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
 PROG = "python -m liger_dispatch"
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def device_problem(name: str) -> Optional[str]:
@@ -96,7 +91,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     where = argparse.ArgumentParser(add_help=False)  # given before or after the subcommand
     where.add_argument("--device", default=argparse.SUPPRESS, help="cuda or cpu (default: cuda when there is one)")
-    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=["bf16", "fp16", "fp32"],
+    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=list(DTYPES),
                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
@@ -104,12 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
     args = parser.parse_args(argv)
-    device = getattr(args, "device", None) or default_device()
+    device = getattr(args, "device", None) or str(default_device())
     problem = device_problem(device)
     if problem is not None:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
-    dtype = _dtype(getattr(args, "dtype", None) or ("bf16" if device.startswith("cuda") else "fp32"))
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else default_dtype(torch.device(device))
     try:
         settings.check_all()
         if args.command == "demo":

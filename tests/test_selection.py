@@ -4,6 +4,7 @@ names, third-party backends, discovery failures, concurrency, explain."""
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +269,23 @@ def test_a_lazy_import_leaves_its_resolution_memoized(isolated_table, tmp_path, 
     handle = dispatch.op("lazy_op")
     assert [handle(torch.ones(1)) for _ in range(3)] == ["lazy"] * 3
     assert len(resolved) == 1
+
+
+def test_available_backends_defaults_to_this_machine_and_says_why_cuda_is_empty():
+    here = ld.available_backends("flce")
+    assert here and here[-1] == "reference"
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="this machine has no CUDA device"):
+            assert ld.available_backends("flce", device="cuda") == []
+
+
+def test_version_and_dependencies():
+    """liger_dispatch.__version__ is the installed distribution's; numpy is a dependency (without it torch warns
+    "Failed to initialize NumPy" on every run of the README's demo install)."""
+    from importlib import metadata
+
+    tomllib = pytest.importorskip("tomllib")
+    assert ld.__version__ == metadata.version("liger-dispatch")
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.startswith("numpy") for d in dependencies)
