@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import autocast, selection, torch_ops
+from liger_dispatch import autocast, discovery, selection, torch_ops
+from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
 
@@ -94,6 +96,9 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     impls = TABLE.candidates(name)
     for backend in registered_backends(name):
         mine = [i for i in impls if i.backend == backend]
+        status[backend] = discovery.out_of_reach(backend, device.type)
+        if status[backend] is not None:
+            continue
         if not mine:
             status[backend] = TABLE.unavailable_reason(name, backend)
             continue
@@ -102,10 +107,19 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     return status
 
 
-def available_backends(op_name: str, device: Union[str, torch.device] = "cuda",
-                       dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Backends that can serve the op on this device and dtype here, best first (reference last)."""
+def available_backends(op_name: str, device: Union[None, str, torch.device] = None,
+                       dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Backends that can serve the op on this device and dtype here, best first (reference last).
+
+    device defaults to this machine's (CUDA when it has one, else the CPU), dtype to bf16 on CUDA and fp32 on the
+    CPU. Asking about CUDA on a machine without it warns, and the answer is [].
+    """
     name = TABLE.canonical(op_name)
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    if device.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(f"available_backends({op_name!r}, device={str(device)!r}): this machine has no CUDA device, "
+                      "so no backend is available there", stacklevel=2)
     status = backend_status(name, device, dtype)
     best_first = dict.fromkeys(i.backend for i in TABLE.candidates(name))  # candidates are sorted by priority
     return reference_last([b for b in best_first if status.get(b, "") is None])

@@ -17,9 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch.selection import getenv
+from liger_dispatch import settings
 
-DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
 # fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
 # (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
@@ -37,10 +36,10 @@ def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
-    forced = getenv("LIGER_CHUNK_ROWS")
+    forced = settings.CHUNK_ROWS.get()
     if forced:
-        return max(1, min(int(forced), n_rows))
-    budget = float(getenv("LIGER_CHUNK_BUDGET_MB") or DEFAULT_BUDGET_MB) * 2**20
+        return max(1, min(forced, n_rows))
+    budget = settings.CHUNK_BUDGET_MB.get() * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:
         return max(n_rows, 1)
@@ -52,6 +51,7 @@ class _WeightGrad:
     """dW accumulated over chunks: the first chunk writes, the next ones addmm in place."""
 
     def __init__(self, weight: torch.Tensor, accum_dtype: Optional[torch.dtype]):
+        self.weight = weight
         self.dtype = accum_dtype or weight.dtype
         self.out_dtype = weight.dtype
         self.value: Optional[torch.Tensor] = None
@@ -71,9 +71,9 @@ class _WeightGrad:
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
 
-    def result(self, unscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        if self.value is None:
-            return None
+    def result(self, unscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.value is None:  # no chunk ran: an empty batch
+            return torch.zeros_like(self.weight)
         return (self.value if unscale is None else self.value * unscale).to(self.out_dtype)
 
 
@@ -114,7 +114,10 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             dw.add(logits, x_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
-    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
+    if len(losses) == 1:
+        loss_rows = losses[0]
+    else:  # several chunks, or none (an empty batch)
+        loss_rows = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float32, device=x.device)
     if unscale is not None:
         for grad in (dx, db):
             if grad is not None:

@@ -1,7 +1,8 @@
 """The op table: declared ops, their backend locations, registered implementations, discovery.
 
-Backend modules are imported lazily, once, the first time an op they serve is resolved; an import
-failure is recorded (and shown by `python -m liger_dispatch`) instead of breaking other backends.
+Backend modules are imported lazily, once, the first time an op they serve is resolved for a call they
+can reach (discovery.py); an import failure is recorded (and shown by `python -m liger_dispatch`) instead of
+breaking other backends.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
 from liger_dispatch.errors import UnknownOpError
@@ -116,7 +117,7 @@ class OpTable:
         self._registered: dict[str, list[Impl]] = {}
         self._backend_names: dict[str, None] = {REFERENCE: None}  # ordered set
         self._module_errors: dict[str, Optional[str]] = {}  # module -> None (imported) or why not
-        self._discovered: set[str] = set()
+        self._discovered: set[tuple[str, str]] = set()  # (op, backend) whose modules were imported
         self._candidates: dict[str, tuple[Impl, ...]] = {}
         self._composed: dict[tuple, Impl] = {}
         self.version = 0  # bumped on every change; resolution memos key on it
@@ -183,27 +184,32 @@ class OpTable:
         return dict(self._locations.get(self.canonical(op), {}))
 
     # -- discovery -----------------------------------------------------------------------------
-    def discover(self, op: str) -> None:
-        """Import, once, every backend module declared for `op` and for the ops it is composed of."""
+    def discover(self, op: str, backends: Optional[Collection[str]] = None) -> None:
+        """Import, once, the modules `backends` (default: all) declare for `op` and for the ops it is composed of.
+
+        The imports run outside the lock: a backend module registers into this table while it imports, and
+        another thread may be importing it already (Python's import lock makes this one wait for it).
+        """
         name = self.canonical(op)
-        if name in self._discovered:
-            return
         with self._lock:
-            if name in self._discovered:
-                return
-            for needed in (name, *self._ops[name].composed_of):
-                for module in self._locations.get(needed, {}).values():
-                    self._import(module)
-            self._discovered.add(name)
+            pending = [(backend, module) for needed in (name, *self._ops[name].composed_of)
+                       for backend, module in self._locations.get(needed, {}).items()
+                       if (name, backend) not in self._discovered and (backends is None or backend in backends)]
+        for _, module in pending:
+            self._import(module)
+        with self._lock:
+            self._discovered.update((name, backend) for backend, _ in pending)
 
     def _import(self, module: str) -> None:
-        if module in self._module_errors:
+        if module in self._module_errors:  # recorded once its import has finished
             return
-        self._module_errors[module] = None  # mark first: a module may register while importing
         try:
             importlib.import_module(module)
+            error = None
         except Exception as exc:  # any failure of a backend module must not break the others
-            self._module_errors[module] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        with self._lock:
+            self._module_errors.setdefault(module, error)
 
     def module_error(self, module: str) -> Optional[str]:
         return self._module_errors.get(module)
@@ -226,10 +232,11 @@ class OpTable:
         impls = [i for i in self._registered.get(op, []) if i.backend == backend]
         return min(impls, key=lambda i: i.priority) if impls else None
 
-    def candidates(self, op: str) -> tuple[Impl, ...]:
-        """Every implementation of `op`, whole-op and composed, best priority first."""
+    def candidates(self, op: str, backends: Optional[Collection[str]] = None) -> tuple[Impl, ...]:
+        """Every implementation of `op`, whole-op and composed, best priority first, after discovering the
+        modules of `backends` (default: all); implementations registered by other means are included."""
         name = self.canonical(op)
-        self.discover(name)
+        self.discover(name, backends)
         cached = self._candidates.get(name)
         if cached is not None:
             return cached

@@ -40,9 +40,11 @@ def same_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> No
         raise InputError(f"{b_name} has dtype {b.dtype} but {a_name} has {a.dtype}; they must match")
 
 
-def dim_equals(name: str, actual: int, expected: int, what: str) -> None:
+def dim_equals(name: str, actual: int, expected: int, what: str, expected_from: str = "") -> None:
+    """`name`'s `what` is `actual`; it must be `expected`, taken from `expected_from` (another argument) if given."""
     if actual != expected:
-        raise InputError(f"{name}: {what} is {actual}, expected {expected}")
+        origin = f" ({expected_from})" if expected_from else ""
+        raise InputError(f"{name}: {what} is {actual}, expected {expected}{origin}")
 
 
 def rows(name: str, count: int, n: int, what: str = "number of rows") -> None:

@@ -18,7 +18,10 @@ def _head(input_name, input, weight_name, weight):
     c.tensor(input_name, input, min_ndim=1, floating=True)
     c.tensor(weight_name, weight, ndim=2, floating=True)
     c.same_dtype(input_name, input, weight_name, weight)
-    c.dim_equals(input_name, input.shape[-1], weight.shape[1], f"hidden size (last dim, {weight_name} has {weight.shape[1]})")
+    if weight.shape[1] != input.shape[-1] == weight.shape[0]:
+        raise InputError(f"{weight_name} has shape {tuple(weight.shape)} but must be [V, H] (vocabulary, hidden; "
+                         f"{input_name}'s H is {input.shape[-1]}), as lm_head.weight is: was it passed transposed?")
+    c.dim_equals(input_name, input.shape[-1], weight.shape[1], "hidden size (last dim)", f"{weight_name}'s dim 1")
     return input.shape[:-1].numel(), weight.shape[0]
 
 
@@ -54,8 +57,8 @@ def check_flce(a):
 def check_fused_linear_jsd(a):
     n, vocab = _head("student_input", a.student_input, "student_weight", a.student_weight)
     n_t, vocab_t = _head("teacher_input", a.teacher_input, "teacher_weight", a.teacher_weight)
-    c.dim_equals("teacher_input", n_t, n, "number of rows (student_input's)")
-    c.dim_equals("teacher_weight", vocab_t, vocab, "vocabulary size (student_weight's)")
+    c.dim_equals("teacher_input", n_t, n, "number of rows", "student_input's")
+    c.dim_equals("teacher_weight", vocab_t, vocab, "vocabulary size (dim 0)", "student_weight's")
     c.same_device(student_input=a.student_input, student_weight=a.student_weight, teacher_input=a.teacher_input,
                   teacher_weight=a.teacher_weight, shift_labels=a.shift_labels)
     c.in_range("jsd_beta", a.jsd_beta, 0.0, 1.0)
@@ -71,7 +74,7 @@ def check_fused_linear_kl_div(a):
                          "forward pass chunk by chunk and needs a scalar loss; use 'batchmean', 'mean' or 'sum'")
     n, vocab = _head("student_input", a.student_input, "student_weight", a.student_weight)
     c.tensor("target", a.target, min_ndim=1, floating=True)
-    c.dim_equals("target", a.target.shape[-1], vocab, "last dim (vocabulary size)")
+    c.dim_equals("target", a.target.shape[-1], vocab, "last dim (vocabulary size)", "student_weight's dim 0")
     c.rows("target", a.target.shape[:-1].numel(), n)
     c.same_device(student_input=a.student_input, student_weight=a.student_weight, target=a.target,
                   shift_labels=a.shift_labels)

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,7 +18,7 @@ import torch
 import helion
 import helion.language as hl
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -28,14 +27,14 @@ KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again
 
 # Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
 # kernel bodies eagerly in PyTorch. Either way the kernels take CPU tensors.
-TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HELION_INTERPRETER = os.environ.get("HELION_INTERPRET") == "1"
+TRITON_INTERPRETER = settings.TRITON_INTERPRET.get()
+HELION_INTERPRETER = settings.HELION_INTERPRET.get()
 INTERPRETED = TRITON_INTERPRETER or HELION_INTERPRETER
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CC = (8, 0)
-AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
-CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
+AUTOTUNE = settings.HELION_AUTOTUNE.get()
+CONFIG_DIR = Path(settings.HELION_CONFIG_DIR.get() or Path(__file__).with_name("configs"))
 
 PRIORITY = 30
 RUNS_LIMIT = 1024  # prepared launches a kernel keeps (one per call signature)

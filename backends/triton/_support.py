@@ -9,14 +9,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32: the GPU's fast log2 flushes anything below to 0
 
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INTERPRETING = tl.constexpr(settings.TRITON_INTERPRET.get())
 PRIORITY = 20
 # Under the interpreter the kernels run on CPU tensors, so the backend accepts them there.
 CAPABILITY = Capability(
