@@ -28,7 +28,7 @@ FP16_GRAD_PEAK = 4096.0
 
 def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
-    if dtype != torch.float16:
+    if dtype != torch.float16 or grad_scale.numel() == 0:
         return grad_scale, None
     peak = grad_scale.abs().amax().clamp_min(1e-30)
     return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
