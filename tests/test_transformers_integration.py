@@ -1,6 +1,6 @@
 """liger_dispatch.integrations on tiny Hugging Face models built from configs (random weights, no downloads):
 patch() against the unpatched model, the distillation losses against TRL's generalized JSD written out in plain
-PyTorch."""
+PyTorch, and benchmarks/hf_step.py's CPU path."""
 
 import copy
 
@@ -388,3 +388,17 @@ def test_distillation_loss_between_two_models_is_trls_on_their_logits():
     with pytest.raises(hf.UnsupportedModelError, match="softcaps its logits"):
         hf.distillation_loss(student, tiny_model("Gemma2"), labels, input_ids=tokens)
 
+
+def test_hf_step_benchmark_runs_on_a_tiny_config(tmp_path):
+    from benchmarks import hf_step
+
+    out = tmp_path / "hf_step.md"
+    argv = ["--tiny", "--backends", "reference", "--out", str(out), "--rep-ms", "1", "--warmup-ms", "1"]
+    assert hf_step.main(argv) == 0  # the interpreted backends take minutes here: the reference only
+    text = out.read_text()
+    assert "python -m benchmarks.hf_step --tiny" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names[:2] == ["unpatched (transformers)", "patched, reference"]
+    assert all(float(row.split("|")[-2]) < 1e-5 for row in rows)  # lm_head gradient as the unpatched one
+    assert any("liger-kernel" in line for line in text.splitlines())  # a row, or the note saying why not
