@@ -92,13 +92,16 @@ def test_patched_loss_and_every_gradient_equal_unpatched(family, num_items):
 
 
 @pytest.mark.parametrize("family", ["Llama", "Gemma3"])
-def test_without_labels_or_with_return_logits_the_forward_is_untouched(family):
+def test_without_labels_or_with_return_logits_the_forward_and_generate_are_untouched(family):
     model, patched = pair(family)
     tokens, labels = tokens_and_labels()
     assert torch.equal(patched(tokens).logits, model(tokens).logits)
     want, got = model(tokens, labels=labels), patched(tokens, labels=labels, return_logits=True)
     assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
     assert torch.equal(patched(tokens, logits_to_keep=1).logits, model(tokens, logits_to_keep=1).logits)
+    model.eval(), patched.eval()
+    greedy = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(patched.generate(tokens[:, :5], **greedy), model.generate(tokens[:, :5], **greedy))
 
 
 def test_lm_head_bias_logits_to_keep_shift_labels_and_tuples_follow_transformers():
