@@ -55,9 +55,9 @@ def pair(family: str = "Llama", backend: str = "reference", **overrides):
     return model, hf.patch(copy.deepcopy(model), backend=backend)
 
 
-def tokens_and_labels(batch=3, seq=12):
+def tokens_and_labels(batch=3, seq=12, vocab=VOCAB):
     """Random tokens, and labels = tokens with ignored positions: a prompt prefix in row 0, scattered elsewhere."""
-    tokens = torch.randint(3, VOCAB, (batch, seq))
+    tokens = torch.randint(3, vocab, (batch, seq))
     labels = tokens.clone()
     labels[0, :5] = -100
     labels[torch.rand(batch, seq) < 0.2] = -100
@@ -156,6 +156,25 @@ def test_no_batch_by_seq_by_vocab_tensor_when_labels_are_given(family, monkeypat
         with LargestVocabRows() as seen:
             m(tokens, labels=labels).loss.backward()
         assert seen.rows == most, (type(m).__name__, seen.rows)  # the unpatched model: the full logits, detected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["Llama", "Gemma3"])
+def test_every_gpu_backend_gives_the_unpatched_loss_and_gradients_in_bf16(family):
+    vocab = 32000  # several vocabulary blocks
+    model = tiny_model(family, vocab_size=vocab).cuda().to(torch.bfloat16)
+    tokens, labels = (t.cuda() for t in tokens_and_labels(batch=4, seq=256, vocab=vocab))
+    num_items = torch.tensor(500, device="cuda")
+    want = model(tokens, labels=labels, num_items_in_batch=num_items).loss
+    want.backward()
+    for backend in ld.available_backends("flce", device="cuda", dtype=torch.bfloat16):
+        patched = hf.patch(copy.deepcopy(model), backend=backend)
+        patched.zero_grad()
+        out = patched(tokens, labels=labels, num_items_in_batch=num_items)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss.float(), want.float(), rtol=2e-2, atol=0, msg=backend)
+        out.loss.backward()
+        assert_same_grads(model, patched, rtol=5e-2)
 
 
 def test_autocast_casts_the_head_like_the_unpatched_lm_head():
