@@ -109,6 +109,7 @@ def _patched_forward(self, *args, return_logits: bool = False, **kwargs):
     arguments = call.arguments
     keep = arguments.get("logits_to_keep", state.signature.parameters["logits_to_keep"].default)
     extra = dict(arguments.get(state.var_keyword, {}))
+    # the output is rebuilt by field name: ask for a ModelOutput, and make the caller's tuple from it
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
@@ -117,14 +118,14 @@ def _patched_forward(self, *args, return_logits: bool = False, **kwargs):
     arguments[state.var_keyword] = {**extra, "return_dict": True}
     with _final_hidden_states_kept(self) as kept:
         outputs = state.original(*call.args, **call.kwargs)
+    if not (isinstance(outputs, ModelOutput) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(outputs)}):
+        raise UnsupportedModelError(f"{type(self).__name__}.forward returned a {type(outputs).__name__}, "
+                                    "not a ModelOutput with loss and logits")
     hidden = _keep_positions(_only_one(kept, self), keep)
     softcap = getattr(self.config, state.softcap_attr) if state.softcap_attr else None
     loss = causal_lm_loss(hidden, head.weight, labels, head.bias, shift_labels=extra.get("shift_labels"),
                           num_items_in_batch=extra.get("num_items_in_batch"),
                           ignore_index=extra.get("ignore_index", -100), softcap=softcap, backend=state.backend)
-    if not (isinstance(outputs, ModelOutput) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(outputs)}):
-        raise UnsupportedModelError(f"{type(self).__name__}.forward returned a {type(outputs).__name__}, "
-                                    "not a ModelOutput with loss and logits")
     outputs = dataclasses.replace(outputs, loss=loss, logits=None)
     return outputs if return_dict else outputs.to_tuple()
 
@@ -135,9 +136,8 @@ def _forward_exposing(signature: inspect.Signature):
     def forward(self, *args, **kwargs):
         return _patched_forward(self, *args, **kwargs)
 
-    params = list(signature.parameters.values())
-    at = len(params) - 1 if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD else len(params)
-    params.insert(at, inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=False))
+    params = list(signature.parameters.values())  # ends with **kwargs (patch checks): keyword-only goes before
+    params.insert(len(params) - 1, inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=False))
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_param, *params])
     forward.__doc__ = "The model's forward, its loss computed by liger-dispatch's flce when labels are given."
