@@ -17,21 +17,9 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import settings
+from liger_dispatch import grad_bounds, settings
 
 ROW_ALIGN = 64
-# fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
-# (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
-# (|d loss_i / d logit| <= ~2, so the buffer stays far from fp16's 65504), and the GEMM outputs are scaled back.
-FP16_GRAD_PEAK = 4096.0
-
-
-def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
-    if dtype != torch.float16:
-        return grad_scale, None
-    peak = grad_scale.abs().amax().clamp_min(1e-30)
-    return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
@@ -86,14 +74,17 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
-               extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
-               accum_dtype: Optional[torch.dtype] = None):
+               row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
+    row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
-    kernel_scale, unscale = split_scale(grad_scale, x.dtype)
+    kernel_scale, unscale = grad_scale, None
+    if x.dtype == torch.float16 and n > 0:
+        kernel_scale, unscale = grad_bounds.split_scale(grad_scale, row_bound(), weight)
     if unscale is not None:
         accum_dtype = torch.float32
     rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
@@ -167,6 +158,11 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
     return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
 
 
+def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]:
+    return lambda: grad_bounds.ce(x, weight, bias, softcap=options["softcap"],
+                                  lse_square_scale=options["lse_square_scale"])
+
+
 def compose_flce(kernel: Callable) -> Callable:
     """flce from a backend's ce_loss_and_grad."""
 
@@ -185,7 +181,8 @@ def compose_flce(kernel: Callable) -> Callable:
 
         def run(want_dx, want_dw, want_db):
             rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
-                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype)
+                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype,
+                                          row_bound=_ce_bound(x, weight, bias, options))
             loss = rows.sum() * scale
             return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
@@ -201,7 +198,7 @@ class _FlceNoReduction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
         ones = torch.ones((), device=x.device)
         rows, _, _, _ = run_chunks(x, weight, bias, ones, _ce_chunks(kernel, labels, options), want_dx=False,
-                                   want_dw=False, want_db=False)
+                                   want_dw=False, want_db=False, row_bound=_ce_bound(x, weight, bias, options))
         ctx.save_for_backward(x, weight, bias, labels)
         ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
         return rows
@@ -212,7 +209,8 @@ class _FlceNoReduction(torch.autograd.Function):
         scale = grad_rows.reshape(-1).to(torch.float32)
         want = ctx.needs_input_grad
         _, dx, dw, db = run_chunks(
-            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
+            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype,
+            row_bound=_ce_bound(x, weight, bias, ctx.options))
         return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
 
 
@@ -244,7 +242,9 @@ def compose_jsd(kernel: Callable) -> Callable:
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
                                               extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
-                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype)
+                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype,
+                                              row_bound=lambda: grad_bounds.jsd(xt, wt, beta=jsd_beta,
+                                                                                temperature=temperature))
             return loss_rows.sum() * scale, dx, dw, None
 
         return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
@@ -276,7 +276,9 @@ def compose_kl_div(kernel: Callable) -> Callable:
                               temperature=temperature, eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                              want_db=False, accum_dtype=accum_dtype)
+                                              want_db=False, accum_dtype=accum_dtype,
+                                              row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
+                                                                                   log_target=log_target))
             return loss_rows.sum() * scale, dx, dw, None
 
         return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
