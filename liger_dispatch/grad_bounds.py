@@ -34,18 +34,15 @@ def split_scale(grad_scale: torch.Tensor, row_bound: Bound, weight: torch.Tensor
     """(the scale the kernel applies, the scale applied to dX / dW / db afterwards) for an fp16 buffer.
 
     grad_scale: 0-d or [N] weights of the N > 0 rows; row_bound: a bound of each row's gradient L1 norm."""
-    w_max = torch.linalg.vector_norm(weight, math.inf, dtype=torch.float32).clamp_min(1.0)
+    w_max = _norm(weight, math.inf).clamp_min(1.0)
     peak = ((grad_scale.abs() * row_bound).amax() * w_max).clamp_min(1e-30)
     return grad_scale * (LIMIT / peak), peak / LIMIT
 
 
 def logit_bound(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[N] bounds of max_j |x_i . w_j + b_j|."""
-    bound = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) * torch.linalg.vector_norm(
-        weight, dim=1, dtype=torch.float32).amax()
-    if bias is not None:
-        bound = bound + torch.linalg.vector_norm(bias, math.inf, dtype=torch.float32)
-    return bound
+    bound = _norm(x, 2, dim=-1) * _norm(weight, 2, dim=1).amax()
+    return bound if bias is None else bound + _norm(bias, math.inf)
 
 
 def ce(x, weight, bias, *, softcap=None, lse_square_scale=0.0) -> Bound:
@@ -65,8 +62,17 @@ def jsd(teacher_x, teacher_weight, *, beta, temperature) -> Bound:
 def kl_div(target: torch.Tensor, *, temperature, log_target) -> Bound:
     """target: [N, V]."""
     if not log_target:
-        mass = torch.linalg.vector_norm(target, 1, dim=-1, dtype=torch.float32)
+        mass = _norm(target, 1, dim=-1)
     else:  # sum_j exp(target_ij), row pieces at a time: exp needs a temporary
         step = max(1, TEMP_ELEMENTS // max(1, target.shape[1]))
-        mass = torch.cat([torch.logsumexp(t.float(), dim=-1).exp() for t in target.split(step)])
+        mass = torch.cat([torch.logsumexp(t.to(_wide(t)), dim=-1).exp() for t in target.split(step)])
     return 2.0 * mass / temperature
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _norm(t: torch.Tensor, order, dim=None) -> torch.Tensor:
+    """A vector norm accumulated in fp32 or wider, without a widened copy of t."""
+    return torch.linalg.vector_norm(t, order, dim=dim, dtype=_wide(t))
