@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import discovery, selection
+from liger_dispatch import autocast, discovery, selection, torch_ops
 from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
@@ -27,26 +27,39 @@ class Explanation:
 
 
 class OpHandle:
-    """A callable for one op, optionally pinned to backends; checks inputs, selects, calls."""
+    """A callable for one op, optionally pinned to backends: binds and checks the arguments against the op's
+    schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
+    torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_check")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
         self.pinned = selection.parse_backends(backend)
-        self._check = TABLE.spec(self.name).check
+        self._spec = TABLE.spec(self.name)
+        self._backend_arg = ",".join(self.pinned) or None
+
+    def _bound(self, args: tuple, kwargs: dict):
+        a = self._spec.schema.bind(args, kwargs)
+        if self._spec.autocast and autocast.active(a):
+            a, args, kwargs = autocast.cast(self._spec, a)
+        self._spec.check(a)
+        return a, args, kwargs
 
     def __call__(self, *args, **kwargs):
-        self._check(*args, **kwargs)
-        return selection.select(self.name, self.pinned, args, kwargs).fn(*args, **kwargs)
+        a, args, kwargs = self._bound(args, kwargs)
+        if torch.compiler.is_compiling():
+            return torch_ops.call(self._spec, self._backend_arg, a)
+        with autocast.disabled(a):
+            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""
-        self._check(*args, **kwargs)
+        _, args, kwargs = self._bound(args, kwargs)
         return selection.select(self.name, self.pinned, args, kwargs)
 
     def explain(self, *args, **kwargs) -> Explanation:
-        self._check(*args, **kwargs)
+        _, args, kwargs = self._bound(args, kwargs)
         return Explanation(*selection.explain_lines(self.name, self.pinned, args, kwargs))
 
     def __repr__(self) -> str:

@@ -36,6 +36,10 @@ class FallbackWarning(UserWarning):
     """A requested (or better) backend could not serve a call, and another one did."""
 
 
+class SignatureError(LigerDispatchError, TypeError):
+    """A registered implementation's signature does not match its op's schema."""
+
+
 _internal: tuple[str, ...] = ()
 
 

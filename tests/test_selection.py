@@ -21,11 +21,18 @@ CUDA_ONLY = ld.Capability(devices=("cuda",), min_cc=(9, 0))
 @pytest.fixture
 def toy(isolated_table):
     """An op `toy(x)` served by alpha (priority 5), beta (priority 7), a CUDA-only gamma and the reference."""
-    isolated_table.declare_op(OpSpec("toy", "kernel", lambda x, scale=1.0: None, aliases=("toy_alias",)))
+    isolated_table.declare_op(OpSpec("toy(Tensor x, float scale=1.0) -> Tensor", "kernel", lambda a: None,
+                                     aliases=("toy_alias",)))
     for name, priority, cap in (("alpha", 5, CPU), ("beta", 7, CPU), ("gamma", 1, CUDA_ONLY), ("reference", 100, CPU)):
-        ld.register_backend("toy", backend=name, priority=priority, capability=cap)(
-            lambda x, scale=1.0, _n=name: (_n, x * scale))
+        ld.register_backend("toy", backend=name, priority=priority, capability=cap)(_toy(name))
     return dispatch.op("toy")
+
+
+def _toy(name):
+    def toy(x, scale=1.0):
+        return name, x * scale
+
+    return toy
 
 
 def served(handle, *args, **kwargs):
@@ -91,7 +98,7 @@ def test_unknown_op_and_alias(toy):
 
 
 def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
-    isolated_table.declare_op(OpSpec("sized", "kernel", lambda x: None))
+    isolated_table.declare_op(OpSpec("sized(Tensor x) -> Tensor", "kernel", lambda a: None))
     small_only = ld.Capability(devices=("cpu",), predicate=lambda x: "too large" if x.numel() > 4 else None)
     ld.register_backend("sized", backend="alpha", priority=1, capability=small_only)(lambda x: "alpha")
     ld.register_backend("sized", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
@@ -107,7 +114,7 @@ def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
 
 
 def test_dtype_capability_checks_every_float_tensor(isolated_table):
-    isolated_table.declare_op(OpSpec("pair", "kernel", lambda a, b: None))
+    isolated_table.declare_op(OpSpec("pair(Tensor a, Tensor b) -> Tensor", "kernel", lambda a: None))
     ld.register_backend("pair", backend="alpha", priority=1,
                         capability=ld.Capability(devices=("cpu",), dtypes=(torch.float32,)))(lambda a, b: "alpha")
     ld.register_backend("pair", backend="reference", priority=100, capability=CPU)(lambda a, b: "reference")
@@ -123,7 +130,8 @@ def test_third_party_backend_by_decorator_serves_the_composed_user_op(isolated_t
     calls = []
 
     @ld.register_backend("jsd_loss_and_grad", backend="mine", priority=5, capability=ld.Capability(devices=("cpu",)))
-    def my_jsd(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0, grad_scale=None):
+    def my_jsd(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+               grad_scale=None):
         calls.append(student_logits.shape)
         return jsd_loss_and_grad(student_logits, teacher_logits, labels, beta=beta, ignore_index=ignore_index,
                                  temperature=temperature, grad_scale=grad_scale)
@@ -163,7 +171,7 @@ def lazy_backend(table, tmp_path, monkeypatch, op, backend, prologue=""):
         f"@ld.register_backend('{op}', backend='{backend}', priority=1, capability=ld.Capability(devices=('cpu',)))\n"
         f"def impl(x):\n    return '{backend}'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    table.declare_op(OpSpec(op, "kernel", lambda x: None))
+    table.declare_op(OpSpec(f"{op}(Tensor x) -> Tensor", "kernel", lambda a: None))
     ld.declare_op_locations(op, {backend: f"{backend}_backend_mod"})
 
 
@@ -229,7 +237,7 @@ def test_kernel_predicate_judges_the_composed_user_op(isolated_table, monkeypatc
 def test_reference_is_no_fallback_when_no_other_backend_accepts_the_device_type(isolated_table, monkeypatch):
     """CPU tensors, and the only other backend runs on CUDA alone: auto picks the reference without a warning, and
     LIGER_STRICT does not object; a backend that accepts CPU tensors but not this call still makes it a fallback."""
-    isolated_table.declare_op(OpSpec("gpu_only", "kernel", lambda x: None))
+    isolated_table.declare_op(OpSpec("gpu_only(Tensor x) -> Tensor", "kernel", lambda a: None))
     ld.register_backend("gpu_only", backend="gamma", priority=1, capability=CUDA_ONLY)(lambda x: "gamma")
     ld.register_backend("gpu_only", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
     monkeypatch.setenv("LIGER_STRICT", "true")

@@ -22,6 +22,7 @@ from liger_dispatch import Capability, settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32: the fast log2 flushes anything below to 0
 KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again by a later pass / the last time
 
 # Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
@@ -290,7 +291,7 @@ def load_f32(x, tile_c, tile_v, row_mask, policy):
     return hl.load(x, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=policy).to(torch.float32)
 
 
-def online_step(m, u, in_row):
+def online_softmax_step(m, u, in_row):
     """One block of an online softmax in base 2 (Milakov & Gimelshein) over rows of u.
 
     m: running max per row; u: this block's base-2 logits. Returns the new max, alpha [rows, 1] that sums kept
