@@ -318,7 +318,7 @@ def test_empty_batch(op, backend, dtype):
 FP16_ADVERSARIAL = {
     # a strong z-loss on logits ~ 20: d loss / d logit reaches 1 + 2 * 0.5 * lse ~ 20
     "flce-zloss-softcap": ("flce", dict(softcap=20.0, lse_square_scale=0.5, reduction="sum"), 8.0),
-    "flce-zloss": ("flce", dict(lse_square_scale=0.5), 8.0),
+    "flce-zloss-none": ("flce", dict(lse_square_scale=0.5, reduction="none"), 8.0),
     "jsd-cold": ("fused_linear_jsd", dict(jsd_beta=0.0, temperature=0.05), 1.0),
     "jsd-reverse-cold": ("fused_linear_jsd", dict(jsd_beta=1.0, temperature=0.25), 1.0),
     # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
