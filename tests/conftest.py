@@ -2,8 +2,12 @@
 on CPU tensors; the variable must be set before any kernel is defined, so it is set here, first."""
 
 import os
+import tempfile
 
 import torch
+
+# A compile cache of this session's own: inductor's shared one in /tmp can hold graphs of another checkout's ops.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="liger-dispatch-inductor-"))
 
 if not torch.cuda.is_available() and os.environ.get("HELION_INTERPRET") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
