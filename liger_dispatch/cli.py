@@ -1,4 +1,5 @@
-"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run."""
+"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run;
+`... tune`: time the backends here and write a tuned table (liger_dispatch/tune.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from liger_dispatch import tune
 from liger_dispatch.capability import dtype_name
 
 
@@ -77,6 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo = sub.add_parser("demo", parents=[where], help="a short distillation + LM-head training run on this machine")
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
+    tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or default_device()
     dtype = _dtype(getattr(args, "dtype", None) or ("bf16" if device.startswith("cuda") else "fp32"))
@@ -84,6 +87,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from liger_dispatch.demo import run
 
         return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
+    if args.command == "tune":
+        return tune.run(args, device, dtype)
     matrix(device, dtype)
     return 0
 
