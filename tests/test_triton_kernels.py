@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
-from liger_dispatch.backends.triton import _support
+from liger_dispatch.backends.triton import _support, kl_div
 from liger_dispatch.backends.triton.ce import ce_loss_and_grad
 from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
 from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
@@ -158,6 +158,30 @@ def test_kl_zero_probabilities(log_target, target_dtype):
         target = target.float().log().to(target_dtype)  # -inf where the probability is 0
     run_kl(logits(dtype=torch.bfloat16), target, labels(ignored=(4,)), grad_scale_of("per-row"),
            temperature=2.0, log_target=log_target)
+
+
+@pytest.mark.parametrize("reads", [1, 2])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mass", [1.0, 0.7])
+def test_kl_target_read_once_or_twice(reads, target_dtype, mass):
+    """Both variants on both target dtypes; a target summing to 0.7 takes the single-read variant's fix-up pass."""
+    with _support.launch_overrides(kl_target_reads=reads):
+        run_kl(logits(dtype=torch.bfloat16), (probabilities() * mass).to(target_dtype), labels(ignored=(2,)),
+               grad_scale_of("per-row"), temperature=1.5)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_kl_unnormalized_log_target_read_once(logits_dtype):
+    target = (probabilities() * 1.25).log()  # sums to 1.25; -inf where the probability is 0
+    with _support.launch_overrides(kl_target_reads=1):
+        run_kl(logits(dtype=logits_dtype), target, None, grad_scale_of("0-d"), log_target=True)
+
+
+def test_kl_variant_by_target_dtype():
+    assert kl_div.reads_target_once(torch.empty(0, dtype=torch.float32))
+    assert not kl_div.reads_target_once(torch.empty(0, dtype=torch.bfloat16))
+    with _support.launch_overrides(kl_target_reads=2):
+        assert not kl_div.reads_target_once(torch.empty(0, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("eps", [1e-8, 0.0])

@@ -1,5 +1,6 @@
 """What the Triton kernels of this backend share: capability, launch arguments, in-kernel math helpers."""
 
+import contextlib
 import os
 
 import torch
@@ -37,12 +38,33 @@ MAX_WARPS = 16
 NUM_STAGES = 3
 
 
+_overrides: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def launch_overrides(**values):
+    """Launch settings and kernel variants forced inside the block, outside the ops' signatures (tests, benchmark
+    sweeps; not thread-safe): block_size, num_warps, num_stages (row_launch), kl_target_reads (kl_div)."""
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def override(name, default):
+    """The forced value of a launch setting (launch_overrides), else `default`."""
+    return _overrides.get(name, default)
+
+
 def row_launch(n_cols, *tensors, block_size=None, num_warps=None, num_stages=None):
     """Launch keywords (BLOCK, NUM_STAGES, num_warps) for a kernel streaming rows of n_cols of these tensors."""
     widest = max(t.element_size() for t in tensors)
-    block = block_size or min(BLOCK_BYTES // widest, triton.next_power_of_2(n_cols))
-    warps = num_warps or max(1, min(MAX_WARPS, block // (32 * ELEMS_PER_THREAD)))
-    return dict(BLOCK=block, NUM_STAGES=num_stages or NUM_STAGES, num_warps=warps)
+    block = block_size or override("block_size", None) or min(BLOCK_BYTES // widest, triton.next_power_of_2(n_cols))
+    warps = num_warps or override("num_warps", None) or max(1, min(MAX_WARPS, block // (32 * ELEMS_PER_THREAD)))
+    return dict(BLOCK=block, NUM_STAGES=num_stages or override("num_stages", None) or NUM_STAGES, num_warps=warps)
 
 
 def scale_args(grad_scale, dummy):
@@ -64,6 +86,17 @@ def load_block(ROW, start, cols, n_cols: tl.constexpr, POLICY: tl.constexpr):
     offs = start + cols
     mask = offs < n_cols
     return tl.load(ROW + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32), mask
+
+
+@triton.jit
+def block_start(i, n_cols: tl.constexpr, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    """First column of the i-th block a pass visits. A pass that re-reads a row walks it in the other direction
+    from the pass before (BACKWARD every other pass), so it starts on the blocks read last, the ones most likely
+    still in L2: a row re-read in the same direction evicts each block just before it is needed again (LRU)."""
+    if BACKWARD:
+        return ((n_cols + BLOCK - 1) // BLOCK - 1 - i) * BLOCK
+    else:
+        return i * BLOCK
 
 
 @triton.jit
