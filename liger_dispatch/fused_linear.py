@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from liger_dispatch.loss_stream import LossStream
 from liger_dispatch.selection import getenv
 
 DEFAULT_BUDGET_MB = 512
@@ -102,14 +103,24 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
     losses = []
+    stream = LossStream(x.device)  # the loss kernels overlap the GEMMs (loss_stream.py) where it is active
+    stream.adopt(buffer)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         logits = buffer[: end - start]
         x_c = x[start:end]
-        _linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+        parts = []
+        for part_start, part_end in stream.parts(start, end):
+            part = buffer[part_start - start: part_end - start]
+            _linear_into(x[part_start:part_end], weight, bias, part)
+            scale = kernel_scale[part_start:part_end] if kernel_scale.dim() else kernel_scale
+            part_losses, done = stream.run(chunk_loss, part, part_start, part_end, scale)
+            losses.append(part_losses)
+            parts.append((part, part_start, part_end, done))
+        for part, part_start, part_end, done in parts:
+            stream.wait(done)
+            if dx is not None:
+                torch.mm(part, weight, out=dx[part_start:part_end])
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
