@@ -158,8 +158,8 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
         order = [i for name in requested for i in capable if i.backend == name]
         order += [i for i in capable if i.backend == REFERENCE and i not in order]
     else:
-        entry = tuned.choice(op, device, dtypes, tuned_key)
-        order = reference_last(tuned.measured_first(capable, entry, lambda i: i.backend), lambda i: i.backend)
+        order, entry = tuned.measured_first(capable, tuned.choice(op, device, dtypes, tuned_key), lambda i: i.backend)
+        order = reference_last(order, lambda i: i.backend)
     return Resolution(op, source, requested, tuple(order), tuple(rejected), entry)
 
 

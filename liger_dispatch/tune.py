@@ -159,8 +159,11 @@ class Timer:
         return times[len(times) // 2]
 
 
-def backends_for(op: str, device: torch.device, dtype: torch.dtype) -> list[str]:
-    return [b for b in dispatch.available_backends(op, device=device, dtype=dtype) if b != REFERENCE]
+def backends_for(op: str, device: torch.device, dtype: torch.dtype) -> tuple[list[str], dict[str, str]]:
+    """(the backends that can serve op here, {the others: why not}), the reference left out."""
+    status = dispatch.backend_status(op, device, dtype)
+    usable = [b for b in dispatch.available_backends(op, device=device, dtype=dtype) if b != REFERENCE]
+    return usable, {b: why for b, why in status.items() if why is not None and b != REFERENCE}
 
 
 def measure(point: Point, backends: list[str], timer: Timer, dtype: torch.dtype, log) -> dict[str, float]:
@@ -185,11 +188,12 @@ def measure(point: Point, backends: list[str], timer: Timer, dtype: torch.dtype,
     return times
 
 
-def entry(point: Point, dtype: torch.dtype, times: dict[str, float]) -> dict:
+def entry(point: Point, dtype: torch.dtype, times: dict[str, float], unavailable: dict[str, str]) -> dict:
+    """A table entry; `unavailable` keeps it from ordering calls where one of those backends can serve."""
     n, rest = tuned.bucket_of(point.op, point.args, point.kwargs)
     fastest_first = sorted(times.items(), key=lambda item: item[1])
     return {"op": point.op, "dtype": dtype_name(dtype), "n": n, "bucket": tuned.describe_rest(rest),
-            "shape": point.shape, "ms": {b: round(t, 4) for b, t in fastest_first}}
+            "shape": point.shape, "ms": {b: round(t, 4) for b, t in fastest_first}, "unavailable": unavailable}
 
 
 def merged(path: Path, key: dict, entries: list[dict], log) -> list[dict]:
@@ -234,9 +238,12 @@ def run(args, device: str, dtype: torch.dtype) -> int:
                 left += 1
                 continue
             log(f"  {point.op} {point.shape} {point.kwargs or ''}")
-            times = measure(point, backends_for(point.op, device, dtype), timer, dtype, log)
+            usable, unavailable = backends_for(point.op, device, dtype)
+            for backend, why in unavailable.items():
+                log(f"    {backend}: NOT AVAILABLE here ({why}); the entry will not order calls where it is")
+            times = measure(point, usable, timer, dtype, log)
             if times:
-                entries.append(entry(point, dtype, times))
+                entries.append(entry(point, dtype, times, unavailable))
             point = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -148,6 +148,7 @@ class Entry:
     ms: tuple[tuple[str, float], ...]  # fastest first
     shape: str  # the sizes it was measured at
     source: str  # the file it came from
+    unavailable: tuple[str, ...] = ()  # backends that could not run where it was measured (not staged, say)
 
     @property
     def fastest(self) -> str:
@@ -184,7 +185,7 @@ def dumps(table: dict) -> str:
 def _entry(raw: dict, source: str) -> Entry:
     ms = sorted(((b, float(t)) for b, t in raw["ms"].items()), key=lambda item: item[1])
     return Entry(raw["op"], raw["dtype"], int(raw["n"]), _parse_rest(raw.get("bucket", "")), tuple(ms),
-                 raw.get("shape", ""), source)
+                 raw.get("shape", ""), source, tuple(raw.get("unavailable", {})))
 
 
 class DeviceTables:
@@ -271,20 +272,27 @@ def choice(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key) ->
     return tables_for(device, env_value).entry(op, dtype_name(dtypes[0]), n, rest)
 
 
-def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item) -> list:
-    """items (already in static order) with the backends `entry` measured first, fastest first."""
-    if entry is None:
-        return items
+def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item
+                   ) -> tuple[list, Optional[Entry]]:
+    """(items, already in static order, with the backends `entry` measured first, fastest first; the entry), or
+    (items, None) when there is no entry or it was measured without a backend that can serve here: its ranking
+    says nothing about that one."""
+    if entry is None or any(backend(item) in entry.unavailable for item in items):
+        return items, None
     rank = {b: i for i, (b, _) in enumerate(entry.ms)}
-    return sorted(items, key=lambda item: rank.get(backend(item), len(rank)))  # stable: static order otherwise
+    return sorted(items, key=lambda item: rank.get(backend(item), len(rank))), entry  # stable: static order otherwise
 
 
 def explain(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key, entry: Optional[Entry]) -> list[str]:
     """explain()'s lines about the tuned tables for this call."""
     tables = tables_for(device, os.environ.get(ENV))
     lines = [f"  tuned tables ignored here: {why}" for why in tables.ignored]
+    unapplied = choice(op, device, dtypes, key) if entry is None else None
     if entry is not None:
         lines.insert(0, f"  tuned: {entry.fastest} is fastest in {entry.source} entry {entry.describe()}")
+    elif unapplied is not None:
+        lines.insert(0, f"  tuned: {unapplied.source} entry {unapplied.describe()} was measured without "
+                        f"{', '.join(unapplied.unavailable)}: static priority decides")
     elif key is not None:
         _, n, rest = key
         lines.insert(0, f"  tuned: no entry for ({op}, {dtype_name(dtypes[0]) if dtypes else '-'}, "

@@ -69,6 +69,15 @@ def test_table_for_another_device_or_versions_is_ignored(table, change):
     assert "tuned tables ignored here" in text and "made on" in text
 
 
+def test_entry_measured_without_a_backend_that_serves_here_is_not_applied(table):
+    write_table(table, [{**helion_first(), "ms": {"helion": 1.0}, "unavailable": {"triton": "not staged"}},
+                        {**helion_first(), "ms": {"helion": 1.0}, "unavailable": {"cutedsl": "needs a CUDA device"},
+                         "n": 64}])
+    assert auto_backend(16) == "triton"
+    assert "was measured without triton: static priority decides" in str(dispatch.op("flce").explain(*flce_call(16)))
+    assert auto_backend(64) == "helion"  # cutedsl cannot serve CPU tensors anyway
+
+
 def test_unreadable_table_is_ignored_with_its_reason(table):
     table.write_text("{not json")
     assert auto_backend(16) == "triton"
@@ -106,6 +115,7 @@ def test_tune_command_writes_a_table_the_selector_reads(table, capsys):
     assert key == tuned.device_key(torch.device("cpu"))
     (entry,) = entries
     assert (entry["op"], entry["n"], entry["bucket"], set(entry["ms"])) == ("flce", 8, "v=64", {"triton", "helion"})
+    assert set(entry["unavailable"]) == {"cutedsl"}
     fastest = min(entry["ms"], key=entry["ms"].get)
     assert auto_backend(8) == fastest
     assert f"SELECTED (tuned: {entry['ms'][fastest]:.3g} ms measured)" in str(dispatch.op("flce").explain(*flce_call(8)))
