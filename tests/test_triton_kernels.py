@@ -224,6 +224,8 @@ def test_gpu_real_vocab(vocab, dtype):
             temperature=2.0)
     run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.0)
     run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab, dtype=dtype), target, block=None)
+    for mass in (1.0, 0.8):  # an fp32 target is read once; one summing to 0.8 takes the fix-up pass
+        run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab) * mass, target, block=None, temperature=2.0)
 
 
 @pytest.mark.gpu
