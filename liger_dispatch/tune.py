@@ -178,12 +178,16 @@ def measure(point: Point, backends: list[str], timer: Timer, dtype: torch.dtype,
         if handle.select(*point.args, **point.kwargs).backend != backend:
             log(f"    {backend}: does not serve this shape")
             continue
-        got = step(handle, point)  # also the first (compiling) call
-        err = rel_err(got, want) if want is not None else 0.0
-        if err > TOLERANCE[dtype]:
-            log(f"    {backend}: MISMATCH with the reference (relative error {err:.2e}); not timed")
+        try:
+            got = step(handle, point)  # also the first (compiling) call
+            err = rel_err(got, want) if want is not None else 0.0
+            if err > TOLERANCE[dtype]:
+                log(f"    {backend}: MISMATCH with the reference (relative error {err:.2e}); not timed")
+                continue
+            times[backend] = timer.median_ms(lambda: step(handle, point))
+        except Exception as exc:  # one backend failing (out of memory, say) must not end the whole run
+            log(f"    {backend}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); not timed")
             continue
-        times[backend] = timer.median_ms(lambda: step(handle, point))
         log(f"    {backend}: {times[backend]:.3f} ms" + ("" if want is not None else " (not checked: too large)"))
     return times
 
