@@ -17,16 +17,16 @@ read on main (record_stream(main)); the logits buffer, allocated on main and wri
 marked used there (record_stream), so even an exception between the fork and the join cannot hand it out early.
 
 Inactive (PARTS = 1, everything inline on the caller's stream, exactly the loop without overlap) off CUDA and
-unless LIGER_CHUNK_OVERLAP=1; the GPU measurement decides whether it becomes the default.
+unless LIGER_CHUNK_OVERLAP is on (settings.CHUNK_OVERLAP); the GPU measurement decides whether it becomes the default.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch.selection import getenv
+from liger_dispatch import settings
 
 PARTS = 2
 ROW_ALIGN = 64  # parts start on multiples of 64 rows: GEMM tiles stay whole
@@ -46,7 +46,15 @@ def _loss_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
 
 
 def enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and getenv("LIGER_CHUNK_OVERLAP") == "1"
+    return device.type == "cuda" and settings.CHUNK_OVERLAP.get()
+
+
+def split(start: int, end: int) -> list[tuple[int, int]]:
+    """[start, end) as PARTS row ranges starting on multiples of ROW_ALIGN rows; whole when that is too few rows."""
+    if end - start < 2 * ROW_ALIGN:
+        return [(start, end)]
+    step = -(-(end - start) // (PARTS * ROW_ALIGN)) * ROW_ALIGN
+    return [(part_start, min(part_start + step, end)) for part_start in range(start, end, step)]
 
 
 class LossStream:
@@ -56,14 +64,9 @@ class LossStream:
         self.side = _loss_stream(device) if enabled(device) else None
         self.main = torch.cuda.current_stream(device) if self.side is not None else None
 
-    def parts(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+    def parts(self, start: int, end: int) -> list[tuple[int, int]]:
         """The row ranges the chunk [start, end) is cut into: itself when inactive."""
-        if self.side is None or end - start < 2 * ROW_ALIGN:
-            yield start, end
-            return
-        step = -(-(end - start) // (PARTS * ROW_ALIGN)) * ROW_ALIGN
-        for part_start in range(start, end, step):
-            yield part_start, min(part_start + step, end)
+        return [(start, end)] if self.side is None else split(start, end)
 
     def adopt(self, buffer: torch.Tensor) -> None:
         """Marks a main-stream buffer the loss stream will write (its memory is not reused before that is done)."""

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import dispatch, tuned
+from liger_dispatch import dispatch, settings, tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import FallbackWarning
 from liger_dispatch.table import REFERENCE
@@ -259,7 +259,7 @@ def run(args, device: str, dtype: torch.dtype) -> int:
         "entries": merged(out, key, entries, log)}
     out.write_text(tuned.dumps(table))
     tuned.reset()
-    log(f"wrote {len(entries)} entries to {out}; use it with {tuned.ENV}={out.resolve()}")
+    log(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")
     return 0
 
 

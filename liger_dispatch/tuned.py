@@ -4,8 +4,8 @@
 the current GPU and writes a table. A table is keyed by the GPU's name, its compute capability and the
 versions of torch, triton, helion and nvidia-cutlass-dsl: a table whose key differs from this process's
 (another GPU, other library versions) is ignored, never applied. The committed tables live in
-liger_dispatch/tuned_tables/*.json; LIGER_TUNED_TABLE names more files (separated by os.pathsep), whose
-entries win over the committed ones.
+liger_dispatch/tuned_tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
+os.pathsep), whose entries win over the committed ones.
 
 Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
 the backends the entry measured go first, fastest first, then the others in priority order, the reference
@@ -30,7 +30,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from liger_dispatch import settings
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
-ENV = "LIGER_TUNED_TABLE"
 FORMAT = 1
 PACKAGED = Path(__file__).with_name("tuned_tables")
 LIBRARIES = ("torch", "triton", "helion", "nvidia-cutlass-dsl")
@@ -223,25 +222,25 @@ class DeviceTables:
         return by_n.get(2 * n) or by_n.get(n // 2)
 
 
-def table_files(env_value: Optional[str]) -> list[Path]:
+def table_files(extra: Sequence[str]) -> list[Path]:
+    """The committed tables, then the user's (LIGER_TUNED_TABLE): later files win."""
     packaged = sorted(PACKAGED.glob("*.json")) if PACKAGED.is_dir() else []
-    extra = [Path(p) for p in (env_value or "").split(os.pathsep) if p]
-    return packaged + extra
+    return packaged + [Path(p) for p in extra]
 
 
 _lock = threading.Lock()
 _loaded: dict[tuple, DeviceTables] = {}
 
 
-def tables_for(device: torch.device, env_value: Optional[str]) -> DeviceTables:
-    """The tables that apply on `device`, read once per (device, LIGER_TUNED_TABLE value)."""
-    cache_key = (device, env_value)
+def tables_for(device: torch.device, extra: tuple[str, ...]) -> DeviceTables:
+    """The tables that apply on `device`, read once per (device, LIGER_TUNED_TABLE files)."""
+    cache_key = (device, extra)
     tables = _loaded.get(cache_key)
     if tables is None:
         with _lock:
             tables = _loaded.get(cache_key)
             if tables is None:
-                tables = _loaded[cache_key] = DeviceTables(device_key(device), table_files(env_value))
+                tables = _loaded[cache_key] = DeviceTables(device_key(device), table_files(extra))
     return tables
 
 
@@ -254,22 +253,23 @@ def reset() -> None:
 # ---------------------------------------------------------------- what the selector calls
 
 
-def lookup_key(op: str, device: torch.device, env_value: Optional[str], args: Sequence, kwargs: dict):
+def lookup_key(op: str, device: torch.device, args: Sequence, kwargs: dict):
     """The part of a call's memo key the tables decide: None when no table for `device` has `op`, else
-    (env_value, N bucket, other bucket fields). Cheap when None: one dict lookup."""
-    tables = _loaded.get((device, env_value)) or tables_for(device, env_value)
+    (LIGER_TUNED_TABLE's files, N bucket, other bucket fields). Cheap when None: two dict lookups."""
+    extra = settings.TUNED_TABLE.get()
+    tables = _loaded.get((device, extra)) or tables_for(device, extra)
     if op not in tables.ops:
         return None
     n, rest = bucket_of(op, args, kwargs)
-    return env_value, n, rest
+    return extra, n, rest
 
 
 def choice(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key) -> Optional[Entry]:
     """The entry that orders auto selection for a call with this lookup_key, or None."""
     if key is None or not dtypes:
         return None
-    env_value, n, rest = key
-    return tables_for(device, env_value).entry(op, dtype_name(dtypes[0]), n, rest)
+    extra, n, rest = key
+    return tables_for(device, extra).entry(op, dtype_name(dtypes[0]), n, rest)
 
 
 def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item
@@ -285,7 +285,7 @@ def measured_first(items: list, entry: Optional[Entry], backend: Callable = lamb
 
 def explain(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key, entry: Optional[Entry]) -> list[str]:
     """explain()'s lines about the tuned tables for this call."""
-    tables = tables_for(device, os.environ.get(ENV))
+    tables = tables_for(device, settings.TUNED_TABLE.get())
     lines = [f"  tuned tables ignored here: {why}" for why in tables.ignored]
     unapplied = choice(op, device, dtypes, key) if entry is None else None
     if entry is not None:

@@ -52,8 +52,9 @@ def test_triton_loss_kernel_cases_match_the_formulas():
 
     from benchmarks import triton_loss_kernels as bench
 
-    for name, reads, writes, make, run, reference_rows in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
+    for name, reads, writes, make, run, reference_rows, launch, knobs in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
         inputs = make()
-        assert bench.check(name, inputs, run, reference_rows, 1.0 / 3, block_size=64), name
+        with launch.using(**knobs, block_size=64):
+            assert bench.check(name, inputs, run, reference_rows, 1.0 / 3), name
         model, minimum = bench.traffic(inputs, reads, writes)
         assert model >= minimum > 0

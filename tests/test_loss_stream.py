@@ -20,17 +20,26 @@ def test_inactive_off_cuda_even_when_asked(monkeypatch):
 
 
 def test_parts_are_row_aligned_halves():
-    stream = LossStream(torch.device("cpu"))
-    stream.side = object()  # as if active: only the row arithmetic is exercised here
-    assert list(stream.parts(0, 2048)) == [(0, 1024), (1024, 2048)]
-    assert list(stream.parts(2048, 3048)) == [(2048, 2560), (2560, 3048)]
-    assert list(stream.parts(0, 100)) == [(0, 100)]  # too few rows to split
+    assert loss_stream.split(0, 2048) == [(0, 1024), (1024, 2048)]
+    assert loss_stream.split(2048, 3048) == [(2048, 2560), (2560, 3048)]
+    assert loss_stream.split(0, 100) == [(0, 100)]  # too few rows to split
 
 
-def _head(n=1536, hidden=256, vocab=5000, dtype=torch.bfloat16):
-    x = torch.randn(n, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    w = (torch.randn(vocab, hidden, device="cuda") * hidden ** -0.5).to(dtype).requires_grad_()
+def _head(n=1536, hidden=256, vocab=5000, dtype=torch.bfloat16, device="cuda"):
+    x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=device) * hidden ** -0.5).to(dtype).requires_grad_()
     return x, w
+
+
+def _other_inputs(op, x, w):
+    """The arguments after (x, w) of a call of `op`: labels with ignored rows; a teacher head or target."""
+    labels = torch.randint(0, w.shape[0], (x.shape[0],), device=x.device)
+    labels[::7] = -100
+    if op == "flce":
+        return (labels,)
+    if op == "fused_linear_jsd":
+        return (*(t.detach() for t in _head(*x.shape, w.shape[0], x.dtype, x.device)), labels)
+    return torch.softmax(torch.randn(x.shape[0], w.shape[0], device=x.device), -1), labels
 
 
 def _loss_and_grads(fn, x, w, *args, **kwargs):
@@ -40,16 +49,29 @@ def _loss_and_grads(fn, x, w, *args, **kwargs):
     return loss.detach(), x.grad, w.grad
 
 
+@pytest.mark.filterwarnings("error")  # a GEMM's out= buffer too small is resized with a warning, not an error
+@pytest.mark.parametrize("op", ["flce", "fused_linear_jsd", "fused_linear_kl_div"])
+def test_chunks_cut_into_parts_give_the_loop_results(op, monkeypatch):
+    """run_chunks' part arithmetic, inline on the CPU with the reference kernels: a chunk of 128 rows cut in two
+    parts of 64, then a last chunk of 100 rows left whole, larger than the parts before it (jsd's teacher buffer,
+    sized by the first call, must grow)."""
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", "128")
+    x, w = _head(228, 16, 40, torch.float32, "cpu")
+    other = _other_inputs(op, x, w)
+    handle = dispatch.op(op, backend="reference")
+    plain = _loss_and_grads(handle, x, w, *other)
+    monkeypatch.setattr(LossStream, "parts", lambda self, start, end: loss_stream.split(start, end))
+    cut = _loss_and_grads(handle, x, w, *other)
+    for name, got, want in zip(("loss", "dx", "dw"), cut, plain):
+        assert_rel_close(name, got, want, 1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["flce", "fused_linear_jsd", "fused_linear_kl_div"])
 def test_overlap_gives_the_loop_results(op, monkeypatch):
     monkeypatch.setenv("LIGER_CHUNK_ROWS", "512")  # three chunks of two parts
     x, w = _head()
-    labels = torch.randint(0, w.shape[0], (x.shape[0],), device="cuda")
-    labels[::7] = -100
-    extra = {"flce": (labels,),
-             "fused_linear_jsd": (*(t.detach() for t in _head()), labels),
-             "fused_linear_kl_div": (torch.softmax(torch.randn(x.shape[0], w.shape[0], device="cuda"), -1), labels)}[op]
+    extra = _other_inputs(op, x, w)
     handle = dispatch.op(op, backend="triton")
     plain = _loss_and_grads(handle, x, w, *extra)
     monkeypatch.setenv("LIGER_CHUNK_OVERLAP", "1")

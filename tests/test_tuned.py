@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import cli, dispatch, tuned
+from liger_dispatch import cli, dispatch, settings, tuned
 
 H, V = 16, 40
 
@@ -30,7 +30,7 @@ def helion_first(n=16, bucket="v=64"):
 def table(tmp_path, monkeypatch):
     """Points LIGER_TUNED_TABLE at a table file the test writes."""
     path = tmp_path / "table.json"
-    monkeypatch.setenv(tuned.ENV, str(path))
+    monkeypatch.setenv(settings.TUNED_TABLE.name, str(path))
     return path
 
 

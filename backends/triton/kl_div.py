@@ -20,16 +20,19 @@ every row and cost more than the second read it saves: they keep two reads. Pass
 in the other direction (block_start), so they begin on the blocks still in L2.
 """
 
+from dataclasses import dataclass
+from typing import Optional
+
 import triton
 import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    block_start, label_ignored, load_block, load_scale, log2, online_softmax_step, override, row_launch, scale_args,
-    zero_row,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
+    block_start, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 NORMALIZED_TOL = tl.constexpr(2.0**-18)
@@ -60,10 +63,10 @@ def _kl_terms(s2, target, mask, lse2, eps, LOG_TARGET: tl.constexpr):
 @triton.jit
 def _kl_kernel(
     S, s_stride,  # [C, V] student logits, overwritten by the gradient
-    Q, q_stride,  # [C, V] target probabilities (log-probabilities when LOG_TARGET), read only
-    LABELS, label_stride,  # [C] rows equal to ignore_index are skipped (when HAS_LABELS)
-    LOSS,  # [C] fp32 per-row loss
-    SCALE, scale_stride,  # grad_scale: 0-d or [C] (when HAS_SCALE)
+    Q, q_stride,  # [C, V] target probabilities (log-probabilities when LOG_TARGET), only read
+    LABELS, label_stride,  # [C] int labels, a row whose label is ignore_index is skipped; unread without HAS_LABELS
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, to_log2, grad_mult, eps,
     V: tl.constexpr, LOG_TARGET: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     TARGET_ONCE: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -71,7 +74,7 @@ def _kl_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     Q += row * q_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
@@ -115,30 +118,42 @@ def _kl_kernel(
                 tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
 
 
-def reads_target_once(target) -> bool:
-    """Whether the single-target-read variant serves this target (module docstring): fp32 targets."""
-    return override("kl_target_reads", 1 if target.element_size() == 4 else 2) == 1
+@dataclass(frozen=True)
+class KLLaunch(RowLaunch):
+    """RowLaunch plus the variant: the target read once (1, with the fix-up pass) or twice (2); None: by its dtype."""
+
+    target_reads: Optional[int] = None
+
+
+def reads_target_once(target, knobs: KLLaunch) -> bool:
+    """Whether the single-target-read variant serves this target (module docstring): fp32 targets, unless forced."""
+    if knobs.target_reads is None:
+        return target.element_size() == 4
+    if knobs.target_reads not in (1, 2):
+        raise ValueError(f"target_reads: 1 or 2 (or None: by the target's dtype), got {knobs.target_reads!r}")
+    return knobs.target_reads == 1
+
+
+LAUNCH = LaunchKnobs("triton kl_div_loss_and_grad", KLLaunch())
 
 
 @register_backend("kl_div_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
 def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                         log_target=False, grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+                         log_target=False, grad_scale=None):
     """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits are overwritten with
-    grad_scale * dloss/dlogits. The target is only read.
-
-    block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
-    """
+    grad_scale * dloss/dlogits. The target is only read."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
+    knobs = LAUNCH.current
     _kl_kernel[(C,)](
         student_logits, student_logits.stride(0), target, target.stride(0),
         loss if labels is None else labels, 0 if labels is None else labels.stride(0),
         loss, scale, scale_stride,
         ignore_index, LOG2E.value / temperature, 1.0 / temperature, max(float(eps), FLT_MIN.value),
         V=V, LOG_TARGET=bool(log_target), HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
-        TARGET_ONCE=reads_target_once(target),
-        **row_launch(V, student_logits, target, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
+        TARGET_ONCE=reads_target_once(target, knobs),
+        **row_launch(V, student_logits, target, knobs=knobs),
     )
     return loss
