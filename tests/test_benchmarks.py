@@ -43,3 +43,18 @@ def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
     merged = report.read_csv(out / "cpu.csv")
     assert len(merged) == len(rows) + 1
     assert [r["ms"] for r in merged if r == remeasured] == ["1.5"]
+
+
+def test_triton_loss_kernel_cases_match_the_formulas():
+    """Every case of benchmarks/triton_loss_kernels.py (kernel variants included) passes its own check, at a
+    tiny shape on the CPU: the GPU run times only what is right."""
+    import torch
+
+    from benchmarks import triton_loss_kernels as bench
+
+    for name, reads, writes, make, run, reference_rows, launch, knobs in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
+        inputs = make()
+        with launch.using(**knobs, block_size=64):
+            assert bench.check(name, inputs, run, reference_rows, 1.0 / 3), name
+        model, minimum = bench.traffic(inputs, reads, writes)
+        assert model >= minimum > 0
