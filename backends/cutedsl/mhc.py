@@ -567,7 +567,14 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
 
 
 def _grad(g, shape):
-    return None if g is None else g.to(_F32).reshape(shape).contiguous()
+    """An upstream gradient as the producer takes it: fp32, [M, width], contiguous; no op when it already is."""
+    if g is None:
+        return None
+    if g.dtype != _F32:
+        g = g.to(_F32)
+    if g.shape != shape:
+        g = g.reshape(shape)
+    return g if g.is_contiguous() else g.contiguous()
 
 
 @register_backend("mhc_coeff_bwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
