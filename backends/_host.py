@@ -38,6 +38,9 @@ class BoundedCache:
     def clear(self) -> None:
         self._values.clear()
 
+    def values(self) -> list:
+        return list(self._values.values())
+
     def __len__(self) -> int:
         return len(self._values)
 

@@ -18,7 +18,6 @@ are launched directly after the first call (_Launch), which keeps the Python cos
 """
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
-from .._host import Scratch
+from .._host import BoundedCache, Scratch, contiguous, sm_count, unit_column_stride
 from .._launch import LaunchKnobs, given
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
@@ -375,19 +374,11 @@ def _bwd_reduce_kernel(
 # ----------------------------------------------------------------------------------------------
 
 _FAST_LAUNCH = not INTERPRETING.value
-_PLAN_LIMIT = 1024  # signatures kept; past that the cache starts over (a run whose M never repeats)
 _F32 = torch.float32
 
 
 def _pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small enough that tiny test shapes still exercise the splits
 
 
 def _hooked(hook) -> bool:
@@ -447,17 +438,12 @@ class _Launch:
             self.compiled[target[0]] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
-_plans: dict[tuple, object] = {}
+_plans = BoundedCache("triton mhc plans", 1024)  # one per call signature
 
 
 def _plan(make, key, *args):
     """make(*args), made once per (make, key)."""
-    plan = _plans.get((make, key))
-    if plan is None:
-        if len(_plans) >= _PLAN_LIMIT:
-            _plans.clear()
-        plan = _plans[make, key] = make(*args)
-    return plan
+    return _plans.get((make, key), lambda: make(*args))
 
 
 def _dot_setup(x_dtype: torch.dtype, phi_dtype: torch.dtype):
@@ -509,13 +495,7 @@ def _fwd_tiles(hc: int):
 
 def _operands(x, phi, b):
     """x with unit column stride (its row stride may be anything), phi and b contiguous."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if not phi.is_contiguous():
-        phi = phi.contiguous()
-    if not b.is_contiguous():
-        b = b.contiguous()
-    return x, phi, b
+    return unit_column_stride(x), *contiguous(phi, b)
 
 
 def _signature(x, phi, hc, tmax, scalars):
@@ -558,7 +538,7 @@ class _FwdPlan:
         if M == 0:
             return
         _, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
-        cfg = fwd_config(M, K, _num_sms(device), cast_f32) | given(knobs)
+        cfg = fwd_config(M, K, sm_count(device), cast_f32) | given(knobs)
         bm, bk = cfg["BM"], cfg["BK"]
         k_iters = cdiv(cdiv(K, bk), cfg["split"])
         split = cdiv(cdiv(K, bk), k_iters)
@@ -610,7 +590,7 @@ class _BwdPlan:
         self.dot_dtype = dot_dtype
         if M == 0:
             return
-        cfg = bwd_config(M, K, hc, _num_sms(device), cast_f32) | given(knobs)
+        cfg = bwd_config(M, K, hc, sm_count(device), cast_f32) | given(knobs)
 
         # 1. coefficient producer
         br = cfg["BR"]
@@ -658,10 +638,7 @@ def mhc_coeff_bwd(
     hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0,
 ):
     x, phi, b = _operands(x, phi, b)
-    if not mix.is_contiguous():
-        mix = mix.contiguous()
-    if not rstd.is_contiguous():
-        rstd = rstd.contiguous()
+    mix, rstd = contiguous(mix, rstd)
     scalars = (float(sinkhorn_eps), float(post_mult))
     signature = _signature(x, phi, hc, tmax, scalars)
     grads = (_grad_key(grad_h_pre), _grad_key(grad_h_post), _grad_key(grad_h_res))
