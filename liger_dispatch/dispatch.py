@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import selection
+from liger_dispatch import selection, vocab_parallel
 from liger_dispatch.table import TABLE, Impl, reference_last
 
 
@@ -27,16 +27,20 @@ class Explanation:
 class OpHandle:
     """A callable for one op, optionally pinned to backends; checks inputs, selects, calls."""
 
-    __slots__ = ("name", "pinned", "_check")
+    __slots__ = ("name", "pinned", "_check", "_vocab_parallel")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
         self.pinned = selection.parse_backends(backend)
         self._check = TABLE.spec(self.name).check
+        self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # takes process_group= / DTensor weights
 
     def __call__(self, *args, **kwargs):
         self._check(*args, **kwargs)
-        return selection.select(self.name, self.pinned, args, kwargs).fn(*args, **kwargs)
+        impl = selection.select(self.name, self.pinned, args, kwargs)
+        if self._vocab_parallel:
+            return vocab_parallel.call(self.name, impl, args, kwargs)
+        return impl.fn(*args, **kwargs)
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""

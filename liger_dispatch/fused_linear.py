@@ -8,6 +8,11 @@ for scalar reductions; reduction="none" recomputes in the backward with the per-
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
 launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
+
+Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
+kernel-level op combines per-row statistics over the ranks; the `vocab_parallel` shard passed here sizes every
+rank's chunks for the widest slice (so all ranks make the same collectives), sums dX over the ranks, and gives
+the full vocabulary to the KL mean.
 """
 
 from __future__ import annotations
@@ -87,16 +92,18 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
-               accum_dtype: Optional[torch.dtype] = None):
+               accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = split_scale(grad_scale, x.dtype)
     if unscale is not None:
         accum_dtype = torch.float32
-    rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
+    widest = vocab if vocab_parallel is None else vocab_parallel.widest
+    rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
@@ -119,6 +126,8 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         for grad in (dx, db):
             if grad is not None:
                 grad.mul_(unscale)
+    if dx is not None and vocab_parallel is not None:
+        vocab_parallel.sum_over_ranks(dx)
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
@@ -164,8 +173,8 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
     return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
 
 
-def compose_flce(kernel: Callable) -> Callable:
-    """flce from a backend's ce_loss_and_grad."""
+def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
+    """flce from a backend's ce_loss_and_grad (or its vocab-parallel stand-in, with the shard)."""
 
     def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
              softcap=None, lse_square_scale=0.0, accum_dtype=None):
@@ -174,7 +183,8 @@ def compose_flce(kernel: Callable) -> Callable:
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale)
         if reduction == "none":
-            return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
+            return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype,
+                                          vocab_parallel).view(target.shape)
         if reduction == "mean":
             scale = 1.0 / _valid_count(labels, x.shape[0], ignore_index, x.device)
         else:
@@ -182,7 +192,8 @@ def compose_flce(kernel: Callable) -> Callable:
 
         def run(want_dx, want_dw, want_db):
             rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
-                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype)
+                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype,
+                                          vocab_parallel=vocab_parallel)
             loss = rows.sum() * scale
             return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
 
@@ -195,12 +206,12 @@ class _FlceNoReduction(torch.autograd.Function):
     """reduction="none": per-row losses forward; the backward recomputes with the per-row grad_output."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
+    def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype, vocab_parallel):
         ones = torch.ones((), device=x.device)
         rows, _, _, _ = run_chunks(x, weight, bias, ones, _ce_chunks(kernel, labels, options), want_dx=False,
-                                   want_dw=False, want_db=False)
+                                   want_dw=False, want_db=False, vocab_parallel=vocab_parallel)
         ctx.save_for_backward(x, weight, bias, labels)
-        ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
+        ctx.kernel, ctx.options, ctx.accum_dtype, ctx.vocab_parallel = kernel, options, accum_dtype, vocab_parallel
         return rows
 
     @staticmethod
@@ -209,11 +220,11 @@ class _FlceNoReduction(torch.autograd.Function):
         scale = grad_rows.reshape(-1).to(torch.float32)
         want = ctx.needs_input_grad
         _, dx, dw, db = run_chunks(
-            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
-        return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
+            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype, vocab_parallel=ctx.vocab_parallel)
+        return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None, None
 
 
-def compose_jsd(kernel: Callable) -> Callable:
+def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
 
     def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
@@ -241,7 +252,8 @@ def compose_jsd(kernel: Callable) -> Callable:
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
                                               extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
-                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype)
+                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype,
+                                              vocab_parallel=vocab_parallel)
             return loss_rows.sum() * scale, dx, dw, None
 
         return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
@@ -249,7 +261,7 @@ def compose_jsd(kernel: Callable) -> Callable:
     return fused_linear_jsd
 
 
-def compose_kl_div(kernel: Callable) -> Callable:
+def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
 
     def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
@@ -264,7 +276,8 @@ def compose_kl_div(kernel: Callable) -> Callable:
             scale = torch.ones((), device=x.device)
         else:
             count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-            scale = 1.0 / (count * vocab if reduction == "mean" else count)
+            total = vocab if vocab_parallel is None else vocab_parallel.total
+            scale = 1.0 / (count * total if reduction == "mean" else count)
 
         def run(want_dx, want_dw, want_db):
             def chunk_loss(logits, start, end, chunk_scale):
@@ -273,7 +286,7 @@ def compose_kl_div(kernel: Callable) -> Callable:
                               temperature=temperature, eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
             loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                              want_db=False, accum_dtype=accum_dtype)
+                                              want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel)
             return loss_rows.sum() * scale, dx, dw, None
 
         return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())

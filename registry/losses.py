@@ -36,7 +36,7 @@ def _labels(name, labels, n, vocab, ignore_index, *, class_values: bool):
 
 
 def check_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-               softcap=None, lse_square_scale=0.0, accum_dtype=None):
+               softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None):
     n, vocab = _head("input", input, "weight", weight)
     c.tensor("target", target, integer=True)
     if bias is not None:
@@ -49,13 +49,14 @@ def check_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction
     if softcap is not None:
         c.positive("softcap", softcap)
     c.non_negative("lse_square_scale", lse_square_scale)
-    _labels("target", target, n, vocab, ignore_index, class_values=True)
+    # with process_group the weight is a slice: the driver checks the classes against the whole vocabulary
+    _labels("target", target, n, vocab, ignore_index, class_values=process_group is None)
     _accum_dtype(accum_dtype)
 
 
 def check_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                            jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                           accum_dtype=None):
+                           accum_dtype=None, process_group=None):
     n, vocab = _head("student_input", student_input, "student_weight", student_weight)
     n_t, vocab_t = _head("teacher_input", teacher_input, "teacher_weight", teacher_weight)
     c.dim_equals("teacher_input", n_t, n, "number of rows (student_input's)")
@@ -70,7 +71,8 @@ def check_fused_linear_jsd(student_input, student_weight, teacher_input, teacher
 
 
 def check_fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
-                              ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
+                              ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
+                              process_group=None):
     if reduction == "none":
         raise InputError("reduction='none' is not supported by fused_linear_kl_div: the gradient is produced in the "
                          "forward pass chunk by chunk and needs a scalar loss; use 'batchmean', 'mean' or 'sum'")
@@ -150,7 +152,7 @@ def _rows_spec(labels):
 
 
 def probe_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-               softcap=None, lse_square_scale=0.0, accum_dtype=None):
+               softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None):
     return ((_logits_spec(input, weight), _rows_spec(target)),
             dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                  lse_square_scale=lse_square_scale))
@@ -158,13 +160,14 @@ def probe_flce(input, weight, target, bias=None, *, ignore_index=-100, reduction
 
 def probe_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                            jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                           accum_dtype=None):
+                           accum_dtype=None, process_group=None):
     return ((_logits_spec(student_input, student_weight), _logits_spec(teacher_input, teacher_weight),
              _rows_spec(shift_labels)), dict(beta=jsd_beta, ignore_index=ignore_index, temperature=temperature))
 
 
 def probe_fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
-                              ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
+                              ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
+                              process_group=None):
     return ((_logits_spec(student_input, student_weight), _rows_by_last(target), _rows_spec(shift_labels)),
             dict(ignore_index=ignore_index, temperature=temperature, eps=eps, log_target=log_target))
 
