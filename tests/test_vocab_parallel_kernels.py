@@ -16,6 +16,8 @@ from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div
 
 from kernel_checks import DEVICE, IGNORE, check, grad_scale, inputs, reference
 
+# an empty slice's lse is log(0) = -inf, which numpy in Triton's interpreter reports
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
 C, V = 6, 37
 SLICES = {"one-rank": (V,), "uneven": (13, 0, 24)}
 logits, labels = inputs(C, V)

@@ -21,21 +21,11 @@ FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr
 
 
 @triton.jit
-def _jsd_kernel(
-    S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
-    ignore_index, beta, to_log2, grad_mult,
-    V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    S += row * s_stride
-    T += row * t_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
-        zero_row(S, LOSS, row, V, BLOCK)
-        return
-
-    # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
-    cols = tl.arange(0, BLOCK)
+def jsd_row_stats(S, T, cols, to_log2, MODE: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):
+    """Pass 1 over the student row S and the teacher row T in blocks of cols = arange(BLOCK), base 2 (s2 = S * to_log2,
+    t2 likewise): (lse_s, lse_t, sum_s, sum_t, acc), sum_* = exp2(lse_* - running max), and acc the per-lane
+    sum_j exp2(t2_j - m_t) (t2_j - s2_j) for FORWARD_KL (s and t swapped for REVERSE_KL; 0 for MIXTURE)."""
     m_s = -float("inf")
     m_t = -float("inf")
     d_s = tl.zeros([BLOCK], tl.float32)
@@ -55,35 +45,26 @@ def _jsd_kernel(
             acc = acc * alpha_s + e_s * (s2 - t2)
     sum_s = tl.sum(d_s, 0)
     sum_t = tl.sum(d_t, 0)
-    lse_s = m_s + tl.log2(sum_s)
-    lse_t = m_t + tl.log2(sum_t)
+    return m_s + tl.log2(sum_s), m_t + tl.log2(sum_t), sum_s, sum_t, acc
 
-    scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
-    if MODE == FORWARD_KL:
-        # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
-        tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
-            g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
-    elif MODE == REVERSE_KL:
-        # KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = sum_k q_k (ls2_k - lt2_k); dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)
-        kl2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
-        tl.store(LOSS + row, kl2 * LN2)
-        shift = lse_s - lse_t + kl2
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
-            g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
-    else:
-        # loss = beta KL(p||m) + (1 - beta) KL(q||m);
-        # dL/ds_j = (1 - beta) q_j ln2 ((ls2_j - lm2_j) - sum_k q_k (ls2_k - lm2_k))
-        loss = tl.zeros([BLOCK], tl.float32)
-        cross = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
-            ls2 = s2 - lse_s
-            lt2 = t2 - lse_t
+
+@triton.jit
+def jsd_row_sums(S, T, cols, lse_s, lse_t, beta, to_log2, MODE: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    """Per-lane sums (loss, cross) of a row in base 2 from its base-2 log-sum-exps, element by element: FORWARD_KL
+    p_k (lt2_k - ls2_k) and 0; REVERSE_KL q_k (ls2_k - lt2_k) and 0; MIXTURE
+    beta p_k (lt2_k - lm2_k) + (1 - beta) q_k (ls2_k - lm2_k) and q_k (ls2_k - lm2_k)."""
+    loss = tl.zeros([BLOCK], tl.float32)
+    cross = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
+        ls2 = s2 - lse_s
+        lt2 = t2 - lse_t
+        if MODE == FORWARD_KL:
+            loss += tl.where(mask, tl.exp2(lt2) * (lt2 - ls2), 0.0)
+        elif MODE == REVERSE_KL:
+            loss += tl.where(mask, tl.exp2(ls2) * (ls2 - lt2), 0.0)
+        else:
             q = tl.exp2(ls2)
             p = tl.exp2(lt2)
             # m == 0 only where p and q both underflow: then both terms are 0 * finite
@@ -91,16 +72,65 @@ def _jsd_kernel(
             q_term = tl.where(mask, q * (ls2 - lm2), 0.0)
             loss += beta * tl.where(mask, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
             cross += q_term
-        tl.store(LOSS + row, tl.sum(loss, 0) * LN2)
-        cross2 = tl.sum(cross, 0)
-        g_mult = scale * (1.0 - beta) * LN2
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
+    return loss, cross
+
+
+@triton.jit
+def jsd_row_grad(S, T, cols, lse_s, lse_t, cross2, scale, beta, to_log2, MODE: tl.constexpr, V: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The student row S overwritten with scale * dL/d(s2 / to_log2 ...) from the row's base-2 statistics; cross2 is
+    KL2(q||p) for REVERSE_KL, sum_k q_k (ls2_k - lm2_k) for MIXTURE (unused for FORWARD_KL):
+    FORWARD_KL q - p; REVERSE_KL q ln2 (ls2 - lt2 - cross2); MIXTURE (1 - beta) q ln2 (ls2 - lm2 - cross2)."""
+    shift = lse_s - lse_t + cross2
+    g_mult = scale * (1.0 - beta) * LN2
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
+        if MODE == FORWARD_KL:
+            g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
+        elif MODE == REVERSE_KL:
+            g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
+        else:
             ls2 = s2 - lse_s
             q = tl.exp2(ls2)
             lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))
             g = g_mult * q * (ls2 - lm2 - cross2)
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+        tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _jsd_kernel(
+    S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    ignore_index, beta, to_log2, grad_mult,
+    V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    S += row * s_stride
+    T += row * t_stride
+    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+        zero_row(S, LOSS, row, V, BLOCK)
+        return
+
+    # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
+    cols = tl.arange(0, BLOCK)
+    lse_s, lse_t, sum_s, sum_t, acc = jsd_row_stats(S, T, cols, to_log2, MODE, V, BLOCK, NUM_STAGES)
+
+    scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
+    if MODE == FORWARD_KL:
+        # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
+        tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
+        cross2 = 0.0
+    elif MODE == REVERSE_KL:
+        # KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = sum_k q_k (ls2_k - lt2_k); dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)
+        cross2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
+        tl.store(LOSS + row, cross2 * LN2)
+    else:
+        # loss = beta KL(p||m) + (1 - beta) KL(q||m);
+        # dL/ds_j = (1 - beta) q_j ln2 ((ls2_j - lm2_j) - sum_k q_k (ls2_k - lm2_k))
+        loss, cross = jsd_row_sums(S, T, cols, lse_s, lse_t, beta, to_log2, MODE, V, BLOCK, NUM_STAGES)
+        tl.store(LOSS + row, tl.sum(loss, 0) * LN2)
+        cross2 = tl.sum(cross, 0)
+    jsd_row_grad(S, T, cols, lse_s, lse_t, cross2, scale, beta, to_log2, MODE, V, BLOCK, NUM_STAGES)
 
 
 @register_backend("jsd_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)

@@ -27,6 +27,62 @@ def _target_probs(target, mask, LOG_TARGET: tl.constexpr):
 
 
 @triton.jit
+def _target_log(target, q, eps, LOG_TARGET: tl.constexpr):
+    """log q for this block, finite where q = 0 (so that q log q = 0 there): the target itself when LOG_TARGET (it may
+    be -inf), else log(max(q, eps)) (eps >= FLT_MIN)."""
+    if LOG_TARGET:
+        log_q = tl.where(q != 0.0, target, 0.0)
+    else:
+        log_q = log2(tl.maximum(q, eps)) * LN2
+    return log_q
+
+
+@triton.jit
+def kl_row_stats(S, Q, to_log2, eps, LOG_TARGET: tl.constexpr, LOSS_SUMS: tl.constexpr, V: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Pass 1 over the student row S and the target row Q: (lse2 of s2 = S * to_log2, sum_k q_k, and with LOSS_SUMS
+    sum_k q_k log q_k and sum_k q_k s2_k, else 0 and 0)."""
+    cols = tl.arange(0, BLOCK)
+    m = -float("inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    q_sum = tl.zeros([BLOCK], tl.float32)
+    q_log_q = tl.zeros([BLOCK], tl.float32)
+    q_s2 = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, mask = load_block(S, start, cols, V, "evict_last")
+        target, _ = load_block(Q, start, cols, V, "evict_last")
+        s2 *= to_log2
+        m, alpha, e = online_softmax_step(m, tl.where(mask, s2, -float("inf")))
+        d = d * alpha + e
+        q = _target_probs(target, mask, LOG_TARGET)
+        q_sum += q
+        if LOSS_SUMS:
+            q_log_q += q * _target_log(target, q, eps, LOG_TARGET)
+            q_s2 += q * s2
+    return m + tl.log2(tl.sum(d, 0)), tl.sum(q_sum, 0), tl.sum(q_log_q, 0), tl.sum(q_s2, 0)
+
+
+@triton.jit
+def kl_row_grad(S, Q, lse2, total_q, scale, to_log2, eps, LOG_TARGET: tl.constexpr, LOSS: tl.constexpr,
+                V: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Pass 2: the student row S overwritten with scale * (softmax_j * total_q - q_j), softmax from lse2; returns the
+    row's loss sum_k q_k (log q_k - log softmax_k) element by element when LOSS (no cancellation), else 0."""
+    cols = tl.arange(0, BLOCK)
+    loss = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, mask = load_block(S, start, cols, V, "evict_first")
+        target, _ = load_block(Q, start, cols, V, "evict_first")
+        s2 *= to_log2
+        q = _target_probs(target, mask, LOG_TARGET)
+        ls2 = s2 - lse2
+        if LOSS:
+            loss += q * (_target_log(target, q, eps, LOG_TARGET) - ls2 * LN2)  # 0 log 0 = 0
+        g = scale * (tl.exp2(ls2) * total_q - q)
+        tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+    return tl.sum(loss, 0)
+
+
+@triton.jit
 def _kl_kernel(
     S, s_stride, Q, q_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
     ignore_index, to_log2, grad_mult, eps,
@@ -40,36 +96,10 @@ def _kl_kernel(
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
-    cols = tl.arange(0, BLOCK)
-    m = -float("inf")
-    d = tl.zeros([BLOCK], tl.float32)
-    q_sum = tl.zeros([BLOCK], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        s2, mask = load_block(S, start, cols, V, "evict_last")
-        target, _ = load_block(Q, start, cols, V, "evict_last")
-        s2 *= to_log2
-        m, alpha, e = online_softmax_step(m, tl.where(mask, s2, -float("inf")))
-        d = d * alpha + e
-        q_sum += _target_probs(target, mask, LOG_TARGET)
-    lse2 = m + tl.log2(tl.sum(d, 0))
-    total_q = tl.sum(q_sum, 0)
-
+    lse2, total_q, _, _ = kl_row_stats(S, Q, to_log2, eps, LOG_TARGET, False, V, BLOCK, NUM_STAGES)
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
-    loss = tl.zeros([BLOCK], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        s2, mask = load_block(S, start, cols, V, "evict_first")
-        target, _ = load_block(Q, start, cols, V, "evict_first")
-        s2 *= to_log2
-        q = _target_probs(target, mask, LOG_TARGET)
-        if LOG_TARGET:
-            log_q = tl.where(q != 0.0, target, 0.0)  # target may be -inf
-        else:
-            log_q = log2(tl.maximum(q, eps)) * LN2  # log(max(q, eps)); eps >= FLT_MIN
-        ls2 = s2 - lse2
-        loss += q * (log_q - ls2 * LN2)  # 0 log 0 = 0: log_q is finite where q = 0
-        g = scale * (tl.exp2(ls2) * total_q - q)
-        tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
-    tl.store(LOSS + row, tl.sum(loss, 0))
+    loss = kl_row_grad(S, Q, lse2, total_q, scale, to_log2, eps, LOG_TARGET, True, V, BLOCK, NUM_STAGES)
+    tl.store(LOSS + row, loss)
 
 
 @register_backend("kl_div_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
