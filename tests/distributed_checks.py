@@ -2,7 +2,8 @@
 records its verdicts, and the module's tests read them. A case is a function of (backend, group) that raises on a
 mismatch; both ranks run every case in the same order, so a failed case does not stall the next one.
 
-On the CPU the group is gloo over a FileStore; `nccl` on a host with as many GPUs as ranks.
+On the CPU the group is gloo over a FileStore; `nccl` on a host with as many GPUs as ranks, where each rank's
+default device is its GPU (so the cases make their tensors there).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _worker(rank: int, world: int, workdir: str, backend: str, cases: dict[str, 
     sys.modules.update(dict.fromkeys(blocked))  # None in sys.modules: `import name` raises ImportError
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     store = dist.FileStore(os.path.join(workdir, "store"), world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     results = {}

@@ -6,7 +6,9 @@ weight.grad (this slice's). The slices are uneven, one case gives a rank an empt
 Also: FSDP2 (fully_shard) on a tiny model with liger_dispatch.nn.LMHeadLoss, and the collectives a call makes,
 counted by the profiler.
 
-The two worker processes are spawned once for the module and run every case.
+The two worker processes are spawned once for the module and run every case. On a GPU host, `pytest -m gpu`
+runs the same cases on two GPUs over NCCL (when the host has two) for every backend with vocab-parallel kernels,
+and each op at a real shape on an NCCL group of one beside the single-process op.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ SIZES = (13, 24)  # rank 0 holds columns [0, 13), rank 1 [13, 37)
 TOL = 2e-5
 
 
-def backends():
-    status = dispatch.backend_status("ce_vp_stats", "cpu", torch.float32)
-    return [b for b, why in status.items() if why is None and b in TESTED]
+def backends(device="cpu", tested=TESTED, dtype=torch.float32):
+    status = dispatch.backend_status("ce_vp_stats", device, dtype)
+    return [b for b, why in status.items() if why is None and (tested is None or b in tested)]
+
+
+def device_type():
+    return torch.get_default_device().type
 
 
 @contextlib.contextmanager
@@ -54,7 +60,9 @@ def env(**values):
 
 
 def small_blocks():
-    """Triton's row kernels stream 64-byte blocks: a slice spans several, the last ragged."""
+    """Triton's row kernels stream 64-byte blocks in the interpreter: a slice spans several, the last ragged."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
     try:
         from liger_dispatch.backends.triton import _support
     except ImportError:
@@ -140,6 +148,20 @@ def flce_all_ignored(group, backend):
     compare("flce", backend, group, flce_inputs(ignored=range(N)), {"weight": 0}, ("input", "weight"))
 
 
+def flce_target_out_of_range(group, backend):
+    """A class index past the whole vocabulary is an error on every rank (each rank's slice is narrower, and the
+    other classes in range of the whole vocabulary but not of the slice are fine: every other case has them)."""
+    t = flce_inputs()
+    t["target"][3] = V
+    try:
+        dispatch.op("flce", backend=backend)(t["input"], slice_of(t["weight"], 0, SIZES, dist.get_rank(group)),
+                                             t["target"], process_group=group)
+    except InputError as e:
+        assert f"outside [0, {V})" in str(e), e
+    else:
+        raise AssertionError("a target of V was accepted")
+
+
 def flce_bf16_module(group, backend):
     """The nn module with process_group=, in bf16 (fp32 statistics; looser tolerance for the bf16 GEMMs)."""
     rank = dist.get_rank(group)
@@ -205,7 +227,7 @@ def dtensor_ops(group, backend):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device_type(), (WORLD,))
     rank = dist.get_rank(group)
     sizes = (19, 18)  # what Shard(0) makes of 37 columns (torch.chunk)
 
@@ -283,12 +305,12 @@ def fsdp_trains(group, backend, loss_name):
     plain = TinyLM(loss())
     sharded = TinyLM(loss())
     sharded.load_state_dict(plain.state_dict())
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device_type(), (WORLD,))
     for block in (sharded.mix, sharded.head, sharded):
         fully_shard(block, mesh=mesh)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, sharded)]
     rank = dist.get_rank(group)
-    generator = torch.Generator().manual_seed(rank)  # each rank its own batch, as data parallelism has it
+    generator = torch.Generator(torch.get_default_device()).manual_seed(rank)  # each rank its own batch, as data parallelism has it
     for step in range(2):
         tokens = torch.randint(0, V, (N,), generator=generator)
         hidden_t = torch.randn(N, H + 4, generator=generator)
@@ -348,9 +370,9 @@ def collective_count(group, backend):
 # ---------------------------------------------------------------- the cases, run by one pair of workers
 
 
-def _cases():
+def cases(device="cpu", tested=TESTED):
     cases = {}
-    for backend in backends():
+    for backend in backends(device, tested):
         def add(name, fn, **kw):
             cases[f"{name}[{backend}]"] = functools.partial(_setup_and_run, fn, backend=backend, **kw)
 
@@ -359,6 +381,7 @@ def _cases():
         add("flce-3d-chunked", flce_3d_chunked)
         add("flce-empty-slice", flce_empty_slice)
         add("flce-all-ignored", flce_all_ignored)
+        add("flce-target-out-of-range", flce_target_out_of_range)
         add("flce-bf16-module", flce_bf16_module)
         for beta in (0.0, 0.5, 1.0):
             for temperature, t_squared in ((1.0, False), (2.0, True)):
@@ -382,7 +405,7 @@ def _setup_and_run(fn, group, backend, **kw):
     fn(group, backend, **kw)
 
 
-CASES = _cases()
+CASES = cases()
 
 
 @pytest.fixture(scope="module")
@@ -393,3 +416,54 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_case(results, name):
     verdict(results, name)
+
+
+# ---------------------------------------------------------------- on the GPU host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} GPUs")
+def test_nccl_two_gpus(tmp_path):
+    """Every case above on two GPUs over NCCL, for every backend with vocab-parallel kernels there."""
+    on_gpus = cases("cuda", tested=None)
+    results = spawn(on_gpus, WORLD, str(tmp_path), backend="nccl")
+    failures = []
+    for name in on_gpus:
+        try:
+            verdict(results, name)
+        except AssertionError as e:
+            failures.append(f"== {name}\n{e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def group_of_one():
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+REAL = dict(N=2048, H=4096, V=128256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["flce", "fused_linear_jsd", "fused_linear_kl_div"])
+@pytest.mark.parametrize("backend", backends("cuda", None, torch.bfloat16) if torch.cuda.is_available() else [])
+def test_nccl_group_of_one_real_shape(group_of_one, op, backend):
+    """The llama3 head (N=2048, bf16) on a group of one: the vocab-parallel path gives the single-process numbers
+    (its own kernels, so to the rounding of bf16 gradients)."""
+    from benchmarks import workloads
+    from benchmarks.shapes import Case
+
+    case = Case(op, "llama3", REAL["N"], tuple(REAL.items()), torch.bfloat16, "fwd+bwd")
+    inputs = workloads.make_inputs(case, torch.device("cuda"), seed=0)
+    mine = [leaf(a, a.requires_grad) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in inputs.args]
+    handle = dispatch.op(op, backend=backend)
+    want = handle(*inputs.args, **inputs.kwargs)
+    got = handle(*mine, process_group=group_of_one, **inputs.kwargs)
+    want.backward()
+    got.backward()
+    assert_rel_close("loss", got, want, 1e-4)
+    assert_rel_close("input grad", mine[0].grad, inputs.args[0].grad, 1e-2)
+    assert_rel_close("weight grad", mine[1].grad, inputs.args[1].grad, 1e-2)
