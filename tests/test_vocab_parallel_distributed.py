@@ -280,21 +280,22 @@ def dtensor_ops(group, backend):
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding -> Linear -> tanh -> LMHeadLoss: the head's weight is read by the fused loss, never as logits."""
+    """Embedding -> Linear -> tanh -> an LM head whose forward is the fused loss (LMHeadLoss over the Linear it
+    replaces): the head's weight is read by the loss, never as logits."""
 
     def __init__(self, loss):
         super().__init__()
-        self.embed = torch.nn.Embedding(V, H)
-        self.mix = torch.nn.Linear(H, H)
-        self.head = ldnn.LMHeadLoss(H, V, loss)
+        self.body = torch.nn.Sequential(torch.nn.Embedding(V, H), torch.nn.Linear(H, H), torch.nn.Tanh())
+        self.head = ldnn.LMHeadLoss.from_linear(torch.nn.Linear(H, V, bias=False), loss)
 
     def forward(self, tokens, *loss_args):
-        return self.head(torch.tanh(self.mix(self.embed(tokens))), *loss_args)
+        return self.head(self.body(tokens), *loss_args)
 
 
-def fsdp_trains(group, backend, loss_name):
-    """fully_shard on every block and the root, lm_head included: two SGD steps on each rank's own batch give the
-    loss and the (rank-averaged) gradients of the unwrapped model, and the same parameters after the first step."""
+def fsdp_trains(group, backend, loss_name, outside_forward=False):
+    """fully_shard on the body, the head and the root: two SGD steps on each rank's own batch give the loss and the
+    (rank-averaged) gradients of the unwrapped model, and the same parameters after. outside_forward: the head is
+    called on the body's output after it, as a Hugging Face causal LM's loss is."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -306,11 +307,12 @@ def fsdp_trains(group, backend, loss_name):
     sharded = TinyLM(loss())
     sharded.load_state_dict(plain.state_dict())
     mesh = init_device_mesh(device_type(), (WORLD,))
-    for block in (sharded.mix, sharded.head, sharded):
+    for block in (sharded.body, sharded.head, sharded):
         fully_shard(block, mesh=mesh)
+    assert list(sharded.state_dict()) == list(plain.state_dict())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, sharded)]
     rank = dist.get_rank(group)
-    generator = torch.Generator(torch.get_default_device()).manual_seed(rank)  # each rank its own batch, as data parallelism has it
+    generator = torch.Generator(torch.get_default_device()).manual_seed(rank)  # each rank its own batch
     for step in range(2):
         tokens = torch.randint(0, V, (N,), generator=generator)
         hidden_t = torch.randn(N, H + 4, generator=generator)
@@ -318,7 +320,7 @@ def fsdp_trains(group, backend, loss_name):
         losses = []
         for model, opt in zip((plain, sharded), optimizers):
             opt.zero_grad()
-            value = model(tokens, *args)
+            value = model.head(model.body(tokens), *args) if outside_forward else model(tokens, *args)
             value.backward()
             losses.append(value)
         assert_rel_close(f"step {step} loss", losses[1], losses[0], TOL)
@@ -396,6 +398,7 @@ def cases(device="cpu", tested=TESTED):
         add("dtensor", dtensor_ops)
         for loss_name in ("flce", "jsd", "kl"):
             add(f"fsdp2-{loss_name}", fsdp_trains, loss_name=loss_name)
+        add("fsdp2-flce-head-outside-forward", fsdp_trains, loss_name="flce", outside_forward=True)
         add("collective-count", collective_count)
     return cases
 
