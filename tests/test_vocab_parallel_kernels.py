@@ -4,7 +4,9 @@ pass runs, the statistics are combined as the driver combines them, and each sli
 columns. The loss rows and the gradient must be the single-vocabulary formulas' (float64 truth). One slice is the
 contract's first test: stats + combine + grad equal the ce / jsd / kl_div_loss_and_grad rows and gradients.
 
-Triton runs in its interpreter on the CPU, with 64-byte blocks so that a slice spans several ragged blocks.
+On the CPU the shapes are tiny and Triton runs in its interpreter with 64-byte blocks, so that a slice spans
+several ragged blocks; on a GPU host (`pytest -m gpu`) the same tests run at the llama3 vocabulary, plus a chunk
+whose C * V exceeds 2^31.
 """
 
 import pytest
@@ -16,10 +18,13 @@ from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div
 
 from kernel_checks import DEVICE, IGNORE, check, grad_scale, inputs, reference
 
+ON_GPU = DEVICE == "cuda"
 # an empty slice's lse is log(0) = -inf, which numpy in Triton's interpreter reports
-pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")
-C, V = 6, 37
-SLICES = {"one-rank": (V,), "uneven": (13, 0, 24)}
+pytestmark = [pytest.mark.filterwarnings("ignore:divide by zero encountered in log2:RuntimeWarning")]
+if ON_GPU:
+    pytestmark.append(pytest.mark.gpu)
+C, V = (64, 128256) if ON_GPU else (6, 37)
+SLICES = {"one-rank": (V,), "uneven": (50000, 0, V - 50000) if ON_GPU else (13, 0, 24)}
 logits, labels = inputs(C, V)
 
 
@@ -31,6 +36,8 @@ def backends(op):
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
+    if ON_GPU:
+        return
     try:
         from liger_dispatch.backends.triton import _support
     except ImportError:
@@ -166,3 +173,17 @@ def test_low_precision(backend, dtype):
     student, target = logits(dtype=dtype), probabilities(dtype=dtype)
     expected = reference(lambda s: kl_div_rows(s, target, None), student, scale)
     check(run_kl(backend, student, target, None, sizes, scale), student, *expected)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", backends("ce_vp_stats"))
+def test_ce_chunk_past_2_31_elements(backend):
+    """One bf16 slice of 16,800 x 128,256 logits (C * V > 2^31): 64-bit row offsets. The last rows, which only
+    64-bit offsets reach, against the formulas on those rows alone."""
+    rows, vocab = 16800, 128256
+    x = torch.randn(rows, vocab, device=DEVICE, dtype=torch.bfloat16)
+    target = torch.randint(0, vocab, (rows,), device=DEVICE)
+    tail = slice(rows - 4, rows)
+    expected = reference(lambda z: ce_rows(z, target[tail], ignore_index=IGNORE), x[tail])
+    loss = run_ce(backend, x, target, (vocab,), None)
+    check(loss[tail], x[tail], *expected)
