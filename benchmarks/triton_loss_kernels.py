@@ -16,6 +16,7 @@ import triton
 from triton.testing import do_bench
 
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+from liger_dispatch.backends.triton import ce, jsd, kl_div
 from liger_dispatch.backends.triton.ce import ce_loss_and_grad
 from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
 from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
@@ -26,7 +27,8 @@ SWEEP = [(4096, 8, 3), (8192, 8, 3), (8192, 16, 1), (8192, 16, 2), (8192, 16, 3)
 
 
 def cases(C, V, dtype):
-    """(name, passes, make_inputs, run, reference_rows); inputs[0] is the buffer that receives the gradient."""
+    """(name, passes, make_inputs, run, reference_rows, launch knobs); inputs[0] is the buffer that receives the
+    gradient."""
     dev = "cuda"
 
     def logits():
@@ -42,18 +44,17 @@ def cases(C, V, dtype):
     opts = dict(label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4)
     out = [
         ("ce", 2, lambda: (logits(), target()),
-         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **k), lambda x, y: ce_rows(x, y)),
+         lambda x, y: ce_loss_and_grad(x, y, grad_scale=scale), lambda x, y: ce_rows(x, y), ce.LAUNCH),
         ("ce smooth+cap+z", 2, lambda: (logits(), target()),
-         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **opts, **k), lambda x, y: ce_rows(x, y, **opts)),
+         lambda x, y: ce_loss_and_grad(x, y, grad_scale=scale, **opts), lambda x, y: ce_rows(x, y, **opts), ce.LAUNCH),
     ]
     for beta in (0.0, 0.5, 1.0):
         out.append((f"jsd beta={beta:g}", 3 if beta not in (0.0, 1.0) else 2, lambda: (logits(), logits(), target()),
-                    lambda s, t, y, b=beta, **k: jsd_loss_and_grad(s, t, y, beta=b, temperature=2.0, grad_scale=scale,
-                                                                   **k),
-                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0)))
+                    lambda s, t, y, b=beta: jsd_loss_and_grad(s, t, y, beta=b, temperature=2.0, grad_scale=scale),
+                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0), jsd.LAUNCH))
     out.append(("kl", 2, lambda: (logits(), probs(), target()),
-                lambda s, q, y, **k: kl_div_loss_and_grad(s, q, y, temperature=2.0, grad_scale=scale, **k),
-                lambda s, q, y: kl_div_rows(s, q, y, temperature=2.0)))
+                lambda s, q, y: kl_div_loss_and_grad(s, q, y, temperature=2.0, grad_scale=scale),
+                lambda s, q, y: kl_div_rows(s, q, y, temperature=2.0), kl_div.LAUNCH))
     return out
 
 
@@ -64,7 +65,7 @@ def traffic(inputs, passes):
     return passes * reads + write, reads + write
 
 
-def check(name, inputs, run, reference_rows, scale, **launch):
+def check(name, inputs, run, reference_rows, scale):
     """Run once on a copy and compare CHECK_ROWS with the float64 formulas; False (and a message) on mismatch."""
     rows = torch.tensor(CHECK_ROWS, device=inputs[0].device) % inputs[0].shape[0]
     picked = [t[rows] for t in inputs]
@@ -72,14 +73,13 @@ def check(name, inputs, run, reference_rows, scale, **launch):
     expected = reference_rows(x64, *picked[1:])
     (expected_grad,) = torch.autograd.grad(expected, x64, torch.full_like(expected, scale))
     x = inputs[0].clone()
-    loss = run(x, *inputs[1:], **launch)
+    loss = run(x, *inputs[1:])
     loss_err = (loss[rows].double() - expected.detach()).abs().max().item()
     grad_err = (x[rows].double() - expected_grad).abs() / (expected_grad.abs() + 1e-3 * expected_grad.abs().max())
     grad_err = grad_err.max().item()
     ok = loss_err <= 1e-3 and grad_err <= 2e-2
     if not ok:
-        print(f"MISMATCH {name} {launch or ''}: max |loss err| {loss_err:.3e}, max rel grad err {grad_err:.3e}",
-              file=sys.stderr)
+        print(f"MISMATCH {name}: max |loss err| {loss_err:.3e}, max rel grad err {grad_err:.3e}", file=sys.stderr)
     return ok
 
 
@@ -101,19 +101,20 @@ def main():
     header = f"{'kernel':<18}{'config':>14}{'ms':>9}{'model GB':>10}{'GB/s':>8}{'% peak':>8}{'min GB':>8}{'GB/s':>8}"
     print(header)
     print("-" * len(header))
-    for name, passes, make, run, reference_rows in cases(args.rows, args.vocab, dtype):
+    for name, passes, make, run, reference_rows, launch in cases(args.rows, args.vocab, dtype):
         inputs = make()
         model, minimum = traffic(inputs, passes)
         for config in [None] + (SWEEP if args.sweep else []):
-            launch = {} if config is None else dict(zip(("block_size", "num_warps", "num_stages"), config))
+            knobs = {} if config is None else dict(zip(("block_size", "num_warps", "num_stages"), config))
             label = "default" if config is None else "/".join(map(str, config))
-            try:
-                ok = check(name, inputs, run, reference_rows, 1.0 / args.rows, **launch)
-            except triton.runtime.errors.OutOfResources as e:  # a sweep point too large for this GPU
-                print(f"{name:<18}{label:>14}  skipped: {e}")
-                continue
+            with launch.using(**knobs):
+                try:
+                    ok = check(f"{name} {label}", inputs, run, reference_rows, 1.0 / args.rows)
+                except triton.runtime.errors.OutOfResources as e:  # a sweep point too large for this GPU
+                    print(f"{name:<18}{label:>14}  skipped: {e}")
+                    continue
+                ms = do_bench(lambda: run(*inputs), warmup=25, rep=200)
             all_ok &= ok
-            ms = do_bench(lambda: run(*inputs, **launch), warmup=25, rep=200)
             gbs = model / ms / 1e6
             print(f"{name:<18}{label:>14}{ms:9.3f}{model / 1e9:10.2f}{gbs:8.0f}{100 * gbs / args.peak_gbs:7.0f}%"
                   f"{minimum / 1e9:8.2f}{minimum / ms / 1e6:8.0f}{'' if ok else '  MISMATCH'}")

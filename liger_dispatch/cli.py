@@ -9,18 +9,35 @@ from typing import Optional
 
 import torch
 
-from liger_dispatch.capability import dtype_name
+from liger_dispatch import settings
+from liger_dispatch.capability import default_device, default_dtype, dtype_name
+from liger_dispatch.errors import LigerDispatchError
+
+PROG = "python -m liger_dispatch"
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def device_problem(name: str) -> Optional[str]:
+    """Why --device `name` cannot be evaluated on this machine, or None."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name!r} is not a device; expected cpu, cuda or cuda:N"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"--device {name!r}: liger-dispatch's backends run on cpu or cuda devices"
+    if not torch.cuda.is_available():
+        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
+        return f"--device {name!r}: this torch ({torch.__version__}) {build}; use --device cpu"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
-def _short(reason: str, width: int = 60) -> str:
+def _short(reason: str, width: int = 110) -> str:
     if " failed to import (" in reason:
         reason = "import failed: " + reason.split(" failed to import (", 1)[1].rstrip(")")
     return reason if len(reason) <= width else reason[: width - 1] + "…"
@@ -34,12 +51,12 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     from liger_dispatch.dispatch import backend_status
     from liger_dispatch.table import TABLE
 
-    console = Console(width=max(Console().width, 150))
+    console = Console()
     backends = TABLE.backend_names()
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "no GPU"
     table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}",
                   show_lines=True)
-    table.add_column("op")
+    table.add_column("op", overflow="fold")
     for backend in backends:
         table.add_column(backend, overflow="fold")
     for level in ("user", "kernel"):
@@ -65,26 +82,39 @@ def matrix(device: str, dtype: torch.dtype) -> None:
         console.print(f"[dim]{module}: {error}[/dim]")
     env = {k: v for k, v in os.environ.items() if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     console.print(f"environment: {env or 'no LIGER_* variables set'}")
+    from liger_dispatch.selection import env_key
+
+    for name in settings.unknown_variables(env_key(op) for op in TABLE.op_names()):
+        console.print(f"[yellow]{name} is not a variable liger-dispatch reads (a typo?)[/yellow]")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     where = argparse.ArgumentParser(add_help=False)  # given before or after the subcommand
     where.add_argument("--device", default=argparse.SUPPRESS, help="cuda or cpu (default: cuda when there is one)")
-    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=["bf16", "fp16", "fp32"],
+    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=list(DTYPES),
                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
-    parser = argparse.ArgumentParser(prog="python -m liger_dispatch", description=__doc__, parents=[where])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", parents=[where], help="a short distillation + LM-head training run on this machine")
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
     args = parser.parse_args(argv)
-    device = getattr(args, "device", None) or default_device()
-    dtype = _dtype(getattr(args, "dtype", None) or ("bf16" if device.startswith("cuda") else "fp32"))
-    if args.command == "demo":
-        from liger_dispatch.demo import run
+    device = getattr(args, "device", None) or str(default_device())
+    problem = device_problem(device)
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else default_dtype(torch.device(device))
+    try:
+        settings.check_all()
+        if args.command == "demo":
+            from liger_dispatch.demo import run
 
-        return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
-    matrix(device, dtype)
+            return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
+        matrix(device, dtype)
+    except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,23 +9,28 @@ an all-reduce SUM), and the gradient pass writes the slice's gradient over the c
 statistics. The loss rows follow from the global statistics, so every rank computes the same loss and no [N, V]
 buffer exists anywhere. Collectives of one call:
 
-    vocab sizes (process_group= only; a DTensor's layout is known)   1 all-gather of W int64, read on the host
+    vocab sizes (process_group= only; a DTensor's split is known)    1 all-gather of W int64, read on the host
     flce, fused_linear_kl_div                                        1 all-gather a chunk ([C, 3] / [C, 4] fp32)
     fused_linear_jsd                                                 1 all-gather ([C, 2]) + 1 all-reduce ([C, 2])
     input gradient                                                   1 all-reduce SUM of dX [N, H]
 
-flce with reduction="none" runs its chunks again in the backward (statistics again, then the dX all-reduce).
+flce with reduction="none" runs its chunks again in the backward (sizes and statistics again, then dX).
 
-A weight that is a DTensor sharded on dim 0 over a 1-D mesh takes the same path on the mesh's group: the input
-must then be a DTensor too (redistributed to Replicate here), the other vocab-sliced tensors (bias, the teacher's
-weight, the KL target) DTensors sharded like it; the loss is a plain tensor, the weight's gradient a DTensor shard.
+Where it plugs in: the dispatcher serves a user-level call whose `process_group` is set with `serving(impl, a)`,
+the driver on the selected implementation's backend (its kernel-level vocab-parallel ops); process_group is a
+ProcessGroup, its group name (the torch op's string argument), or the VocabShard `localized` made. A weight that is
+a DTensor sharded on dim 0 over a 1-D mesh is `localized` by the handle first: the input must then be a DTensor too
+(redistributed to Replicate), the other vocab-sliced tensors (bias, the teacher's weight, the KL target) DTensors
+sharded like it, and the call proceeds on the local tensors, so the loss is a plain tensor and the weight's
+gradient a DTensor shard.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,28 +38,60 @@ import torch.distributed as dist
 from liger_dispatch import fused_linear, selection
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
+from liger_dispatch.schema import Args
 
-# the user-level ops with a vocab-parallel path, and the name of their weight argument (its second)
+# the user-level ops with a vocab-parallel path, and the name of their weight argument
 WEIGHT_ARGUMENT = {"flce": "weight", "fused_linear_jsd": "student_weight", "fused_linear_kl_div": "student_weight"}
+# each op's tensors split like the vocabulary (name: dim), and those every rank holds whole (name: a plain tensor
+# is accepted beside a DTensor weight; the input is not, so a sharded FSDP parameter read outside its forward is
+# refused instead of taken for a vocabulary slice)
+SLICED = {"flce": {"weight": 0, "bias": 0}, "fused_linear_jsd": {"student_weight": 0, "teacher_weight": 0},
+          "fused_linear_kl_div": {"student_weight": 0, "target": -1}}
+REPLICATED = {"flce": {"input": False, "target": True},
+              "fused_linear_jsd": {"student_input": False, "teacher_input": True, "shift_labels": True},
+              "fused_linear_kl_div": {"student_input": False, "shift_labels": True}}
 
 # all_gather_into_tensor was renamed all_gather_single in torch 2.13; the GPU image has 2.11
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def call(op: str, impl, args: tuple, kwargs: dict):
-    """A dispatched call of a user-level loss: the vocab-parallel driver when it has a process_group or a DTensor
-    weight, else `impl` (the selected implementation) as it is. Takes process_group out of kwargs."""
-    group = kwargs.pop("process_group", None)
-    weight = args[1] if len(args) > 1 else kwargs.get(WEIGHT_ARGUMENT[op])
-    if group is None and not _is_dtensor(weight):
-        return impl.fn(*args, **kwargs)
-    return run(op, impl.backend, group, *args, **kwargs)
+def serving(impl, a: Args) -> Callable:
+    """What serves a call of a user-level loss: impl.fn, or, when the call has a process_group, the vocab-parallel
+    driver on impl's backend (the compositions' signature and return contract)."""
+    if getattr(a, "process_group", None) is None:
+        return impl.fn
+    return functools.partial(_DRIVERS[impl.op], _Kernels(impl.backend))
 
 
-def run(op: str, backend: str, group, *args, **kwargs):
-    """The vocab-parallel `op` on `backend`'s kernel-level ops, over `group` (a ProcessGroup; None when the weight
-    is a DTensor, whose mesh gives it). Arguments are the user-level op's, without process_group."""
-    return _DRIVERS[op](_Kernels(backend), group, *args, **kwargs)
+def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
+    """A call whose weight is a DTensor sharded on the vocabulary as the same call on this rank's local tensors, with
+    process_group the shard; any other call as it is."""
+    if not _is_dtensor(getattr(a, WEIGHT_ARGUMENT[spec.name])):
+        return a, args, kwargs
+    layout = _DTensorLayout(getattr(a, WEIGHT_ARGUMENT[spec.name]), a.process_group)
+    values = dict(a.__dict__)
+    for name, dim in SLICED[spec.name].items():
+        values[name] = layout.sliced(name, values[name], dim)
+    for name, plain_ok in REPLICATED[spec.name].items():
+        values[name] = layout.replicated(name, values[name], plain_ok)
+    values["process_group"] = layout.shard
+    local = Args(values)
+    return (local, *spec.schema.call_args(local))
+
+
+def resolve_group(process_group):
+    """A ProcessGroup from a ProcessGroup or its group name."""
+    if isinstance(process_group, str):
+        return dist.distributed_c10d._resolve_process_group(process_group)
+    return process_group
+
+
+def group_name(process_group) -> str:
+    """What the torch op takes: the group's name (a ProcessGroup, or a name already)."""
+    if isinstance(process_group, VocabShard):
+        raise InputError("a DTensor weight takes the vocab-parallel path in eager mode only; under torch.compile pass "
+                         "its local tensors (to_local()) with process_group=")
+    return process_group if isinstance(process_group, str) else process_group.group_name
 
 
 @dataclass(frozen=True)
@@ -73,6 +110,13 @@ class VocabShard:
     def from_sizes(cls, group, sizes: list[int]) -> "VocabShard":
         rank = dist.get_rank(group)
         return cls(group, sum(sizes[:rank]), sizes[rank], sum(sizes), max(sizes))
+
+    @classmethod
+    def of(cls, process_group, weight: torch.Tensor) -> "VocabShard":
+        """The shard of a call: the one `localized` made, or the slice sizes of process_group's ranks exchanged."""
+        if isinstance(process_group, VocabShard):
+            return process_group
+        return cls.exchange(resolve_group(process_group), weight.shape[0], weight.device)
 
     @classmethod
     def exchange(cls, group, size: int, device: torch.device) -> "VocabShard":
@@ -141,19 +185,15 @@ def _is_dtensor(t) -> bool:
     return types is not None and isinstance(t, types[0])
 
 
-class _Layout:
-    """How a call's tensors sit on the ranks: plain tensors with process_group=, or DTensors on a 1-D mesh."""
+class _DTensorLayout:
+    """Where a call's tensors sit when its weight is a DTensor sharded on the vocabulary over a 1-D mesh."""
 
-    def __init__(self, group, weight: torch.Tensor):
-        self.mesh = None
-        if not _is_dtensor(weight):
-            self.shard = VocabShard.exchange(group, weight.shape[0], weight.device)
-            return
+    def __init__(self, weight: torch.Tensor, process_group):
         mesh = weight.device_mesh
         if mesh.ndim != 1:
             raise InputError(f"weight is a DTensor on a {mesh.ndim}-D mesh; the vocab-parallel path needs a 1-D mesh "
                              "(pass the tensor-parallel submesh's DTensor, or to_local() slices with process_group=)")
-        if group is not None and group is not mesh.get_group():
+        if process_group is not None and resolve_group(process_group) is not mesh.get_group():
             raise InputError("process_group is not the group of the weight's DeviceMesh; pass one of them")
         self.mesh = mesh
         vocab, world = weight.shape[0], mesh.size()
@@ -161,9 +201,9 @@ class _Layout:
         sizes = [max(0, min(step, vocab - r * step)) for r in range(world)]
         self.shard = VocabShard.from_sizes(mesh.get_group(), sizes)
 
-    def sliced(self, name: str, t: Optional[torch.Tensor], dim: int) -> Optional[torch.Tensor]:
+    def sliced(self, name: str, t, dim: int):
         """This rank's slice of a tensor split along `dim` like the vocabulary (a DTensor's local shard)."""
-        if t is None or self.mesh is None:
+        if t is None:
             return t
         _, _, shard = _dtensor_types()
         if not _is_dtensor(t) or t.device_mesh != self.mesh or tuple(t.placements) != (shard(dim % t.dim()),):
@@ -174,24 +214,16 @@ class _Layout:
                              f"{self.shard.size} (the split of torch.chunk)")
         return local
 
-    def replicated(self, name: str, t: Optional[torch.Tensor], plain_ok: bool = False) -> Optional[torch.Tensor]:
+    def replicated(self, name: str, t, plain_ok: bool):
         """A tensor every rank holds whole: a DTensor is redistributed to Replicate and its local tensor taken."""
-        if t is None or self.mesh is None:
-            return t
         dtensor, replicate, _ = _dtensor_types()
         if isinstance(t, dtensor):
             return t.redistribute(self.mesh, [replicate()]).to_local()
-        if plain_ok:
+        if t is None or plain_ok:
             return t
         raise InputError(f"{name} must be a DTensor on the weight's mesh (it is redistributed to Replicate) when the "
                          "weight is a DTensor; a sharded FSDP parameter read outside its module's forward lands here "
                          "too: read the weight inside the forward (liger_dispatch.nn.LMHeadLoss)")
-
-    def check_labels(self, name: str, labels: torch.Tensor, ignore_index: int) -> None:
-        """The class range check of a process_group call, against the whole vocabulary (the op's check saw a
-        slice; a DTensor weight has the global shape, so its op's check already ran)."""
-        if self.mesh is None:
-            checks.class_indices(name, labels, self.shard.total, ignore_index)
 
 
 # ---------------------------------------------------------------- kernel-level stand-ins for the composition
@@ -202,6 +234,8 @@ def _ce_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
 
     def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
                          lse_square_scale=0.0):
+        # the op's own class check saw one slice (flce_classes skips a vocab-parallel call)
+        checks.class_indices("target", target, shard.total, ignore_index)
         stats = kernels("ce_vp_stats", logits, target, vocab_start=shard.start, ignore_index=ignore_index,
                         softcap=softcap)
         total = shard.combine(stats, lse_columns=1)
@@ -248,40 +282,17 @@ def _kl_div_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
 # ---------------------------------------------------------------- the user-level ops
 
 
-def _flce(kernels, group, input, weight, target, bias=None, *, ignore_index=-100, reduction="mean",
-          label_smoothing=0.0, softcap=None, lse_square_scale=0.0, accum_dtype=None):
-    layout = _Layout(group, weight)
-    target = layout.replicated("target", target, plain_ok=True)
-    layout.check_labels("target", target, ignore_index)
-    flce = fused_linear.compose_flce(_ce_kernel(layout.shard, kernels), layout.shard)
-    return flce(layout.replicated("input", input), layout.sliced("weight", weight, 0), target,
-                layout.sliced("bias", bias, 0), ignore_index=ignore_index, reduction=reduction,
-                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
-                accum_dtype=accum_dtype)
+def _driver(op: str, compose: Callable, stand_in: Callable) -> Callable:
+    """A user-level loss over this rank's slice: the composition of the backend's stand-in kernel-level op."""
+
+    def vocab_parallel_op(kernels, *args, process_group, **options):
+        weight = args[1] if len(args) > 1 else options[WEIGHT_ARGUMENT[op]]
+        shard = VocabShard.of(process_group, weight)
+        return compose(stand_in(shard, kernels), shard)(*args, **options)
+
+    return vocab_parallel_op
 
 
-def _fused_linear_jsd(kernels, group, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None,
-                      *, jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                      accum_dtype=None):
-    layout = _Layout(group, student_weight)
-    jsd = fused_linear.compose_jsd(_jsd_kernel(layout.shard, kernels), layout.shard)
-    return jsd(layout.replicated("student_input", student_input), layout.sliced("student_weight", student_weight, 0),
-               layout.replicated("teacher_input", teacher_input, plain_ok=True), layout.sliced("teacher_weight", teacher_weight, 0),
-               layout.replicated("shift_labels", shift_labels, plain_ok=True), jsd_beta=jsd_beta,
-               ignore_index=ignore_index, temperature=temperature,
-               scale_by_temperature_squared=scale_by_temperature_squared, accum_dtype=accum_dtype)
-
-
-def _fused_linear_kl_div(kernels, group, student_input, student_weight, target, shift_labels=None, *,
-                         reduction="batchmean", ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False,
-                         accum_dtype=None):
-    layout = _Layout(group, student_weight)
-    kl_div = fused_linear.compose_kl_div(_kl_div_kernel(layout.shard, kernels), layout.shard)
-    return kl_div(layout.replicated("student_input", student_input),
-                  layout.sliced("student_weight", student_weight, 0), layout.sliced("target", target, -1),
-                  layout.replicated("shift_labels", shift_labels, plain_ok=True), reduction=reduction,
-                  ignore_index=ignore_index, temperature=temperature, eps=eps, log_target=log_target,
-                  accum_dtype=accum_dtype)
-
-
-_DRIVERS = {"flce": _flce, "fused_linear_jsd": _fused_linear_jsd, "fused_linear_kl_div": _fused_linear_kl_div}
+_DRIVERS = {"flce": _driver("flce", fused_linear.compose_flce, _ce_kernel),
+            "fused_linear_jsd": _driver("fused_linear_jsd", fused_linear.compose_jsd, _jsd_kernel),
+            "fused_linear_kl_div": _driver("fused_linear_kl_div", fused_linear.compose_kl_div, _kl_div_kernel)}

@@ -64,100 +64,115 @@ def _row_stats(name, stats, n, columns):
         raise InputError(f"{name} must be float32 of shape {list(shape)}, got {stats.dtype} {tuple(stats.shape)}")
 
 
-def _temperature(temperature, ignore_index):
-    c.positive("temperature", temperature)
-    c.integer("ignore_index", ignore_index)
+def _options(a):
+    c.positive("temperature", a.temperature)
+    c.integer("ignore_index", a.ignore_index)
 
 
-def check_ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
-    n = _logits("logits", logits)
-    _labels("target", target, n)
-    c.same_device(logits=logits, target=target)
-    c.integer("vocab_start", vocab_start)
-    c.non_negative("vocab_start", vocab_start)
-    c.integer("ignore_index", ignore_index)
-    if softcap is not None:
-        c.positive("softcap", softcap)
+def check_ce_vp_stats(a):
+    n = _logits("logits", a.logits)
+    _labels("target", a.target, n)
+    c.same_device(logits=a.logits, target=a.target)
+    c.integer("vocab_start", a.vocab_start)
+    c.non_negative("vocab_start", a.vocab_start)
+    c.integer("ignore_index", a.ignore_index)
+    if a.softcap is not None:
+        c.positive("softcap", a.softcap)
 
 
-def check_ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
-                     label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
-    check_ce_vp_stats(logits, target, vocab_start=vocab_start, ignore_index=ignore_index, softcap=softcap)
-    n = logits.shape[0]
-    _row_stats("lse", lse, n, None)
-    c.same_device(logits=logits, lse=lse, grad_scale=grad_scale)
-    c.grad_scale(grad_scale, n)
-    c.integer("vocab_size", vocab_size)
-    if vocab_size != 0 and vocab_size < vocab_start + logits.shape[1]:
-        raise InputError(f"vocab_size is {vocab_size} but the slice ends at column {vocab_start + logits.shape[1]}")
-    c.in_range("label_smoothing", label_smoothing, 0.0, 1.0)
-    c.non_negative("lse_square_scale", lse_square_scale)
+def check_ce_vp_grad(a):
+    check_ce_vp_stats(a)
+    n = a.logits.shape[0]
+    _row_stats("lse", a.lse, n, None)
+    c.same_device(logits=a.logits, lse=a.lse, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+    c.integer("vocab_size", a.vocab_size)
+    if a.vocab_size != 0 and a.vocab_size < a.vocab_start + a.logits.shape[1]:
+        raise InputError(f"vocab_size is {a.vocab_size} but the slice ends at column {a.vocab_start + a.logits.shape[1]}")
+    c.in_range("label_smoothing", a.label_smoothing, 0.0, 1.0)
+    c.non_negative("lse_square_scale", a.lse_square_scale)
 
 
-def check_jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-100, temperature=1.0):
-    n = _logits("student_logits", student_logits)
-    _same_shape("teacher_logits", teacher_logits, "student_logits", student_logits)
-    _labels("labels", labels, n)
-    c.same_device(student_logits=student_logits, teacher_logits=teacher_logits, labels=labels)
-    _temperature(temperature, ignore_index)
+def check_jsd_vp_stats(a):
+    n = _logits("student_logits", a.student_logits)
+    _same_shape("teacher_logits", a.teacher_logits, "student_logits", a.student_logits)
+    _labels("labels", a.labels, n)
+    c.same_device(student_logits=a.student_logits, teacher_logits=a.teacher_logits, labels=a.labels)
+    _options(a)
 
 
-def check_jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, ignore_index=-100,
-                      temperature=1.0):
-    check_jsd_vp_stats(student_logits, teacher_logits, labels, ignore_index=ignore_index, temperature=temperature)
-    _row_stats("lse", lse, student_logits.shape[0], 2)
-    c.same_device(student_logits=student_logits, lse=lse)
-    c.in_range("beta", beta, 0.0, 1.0)
+def check_jsd_vp_sums(a):
+    check_jsd_vp_stats(a)
+    _row_stats("lse", a.lse, a.student_logits.shape[0], 2)
+    c.same_device(student_logits=a.student_logits, lse=a.lse)
+    c.in_range("beta", a.beta, 0.0, 1.0)
 
 
-def check_jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=0.5, ignore_index=-100,
-                      temperature=1.0, grad_scale=None):
-    check_jsd_vp_sums(student_logits, teacher_logits, lse, labels, beta=beta, ignore_index=ignore_index,
-                      temperature=temperature)
-    n = student_logits.shape[0]
-    _row_stats("sums", sums, n, 2)
-    c.same_device(student_logits=student_logits, sums=sums, grad_scale=grad_scale)
-    c.grad_scale(grad_scale, n)
+def check_jsd_vp_grad(a):
+    check_jsd_vp_sums(a)
+    n = a.student_logits.shape[0]
+    _row_stats("sums", a.sums, n, 2)
+    c.same_device(student_logits=a.student_logits, sums=a.sums, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
 
 
-def check_kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                          log_target=False):
-    n = _logits("student_logits", student_logits)
-    _same_shape("target", target, "student_logits", student_logits)
-    _labels("labels", labels, n)
-    c.same_device(student_logits=student_logits, target=target, labels=labels)
-    _temperature(temperature, ignore_index)
-    c.non_negative("eps", eps)
+def _kl_div_slices(a):
+    n = _logits("student_logits", a.student_logits)
+    _same_shape("target", a.target, "student_logits", a.student_logits)
+    _labels("labels", a.labels, n)
+    c.same_device(student_logits=a.student_logits, target=a.target, labels=a.labels)
+    _options(a)
+    return n
 
 
-def check_kl_div_vp_grad(student_logits, target, lse, target_sum, labels=None, *, ignore_index=-100, temperature=1.0,
-                         log_target=False, grad_scale=None):
-    check_kl_div_vp_stats(student_logits, target, labels, ignore_index=ignore_index, temperature=temperature,
-                          log_target=log_target)
-    n = student_logits.shape[0]
-    _row_stats("lse", lse, n, None)
-    _row_stats("target_sum", target_sum, n, None)
-    c.same_device(student_logits=student_logits, lse=lse, target_sum=target_sum, grad_scale=grad_scale)
-    c.grad_scale(grad_scale, n)
+def check_kl_div_vp_stats(a):
+    _kl_div_slices(a)
+    c.non_negative("eps", a.eps)
+
+
+def check_kl_div_vp_grad(a):
+    n = _kl_div_slices(a)
+    _row_stats("lse", a.lse, n, None)
+    _row_stats("target_sum", a.target_sum, n, None)
+    c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+
+
+def _fake_stats(columns):
+    """A statistics pass's output: fp32 [C, columns] (float64 for float64 logits, as the reference computes)."""
+
+    def fake(a):
+        logits = a.logits if "logits" in a.__dict__ else a.student_logits
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return logits.new_empty(logits.shape[0], columns, dtype=dtype)
+
+    return fake
+
+
+def _fake_in_place(a):
+    """A gradient pass returns nothing: it writes its first argument."""
+    return None
 
 
 SUMMARIES = {
-    "ce_vp_stats": "vocab-parallel CE, per-row statistics of a slice: (lse, target logit, sum of logits)",
-    "ce_vp_grad": "vocab-parallel CE gradient of a slice from the global lse, written into the logits",
-    "jsd_vp_stats": "vocab-parallel JSD, per-row log-sum-exp of the student's and the teacher's slice",
-    "jsd_vp_sums": "vocab-parallel JSD, a slice's part of the row loss and of the gradient's cross term",
-    "jsd_vp_grad": "vocab-parallel JSD gradient of a slice from the global statistics, written into the student's",
-    "kl_div_vp_stats": "vocab-parallel KL, per-row statistics of a slice: (lse, sum q, sum q log q, sum q s)",
-    "kl_div_vp_grad": "vocab-parallel KL gradient of a slice from the global lse and sum q, written into the student's",
+    "ce_vp_stats": "vocab-parallel CE: a slice's row stats (lse, target logit, sum)",
+    "ce_vp_grad": "vocab-parallel CE: a slice's gradient from the global lse",
+    "jsd_vp_stats": "vocab-parallel JSD: a slice's lse of student and teacher",
+    "jsd_vp_sums": "vocab-parallel JSD: a slice's part of the loss and cross term",
+    "jsd_vp_grad": "vocab-parallel JSD: a slice's gradient from the global stats",
+    "kl_div_vp_stats": "vocab-parallel KL: a slice's row stats (lse, q, q log q, q s)",
+    "kl_div_vp_grad": "vocab-parallel KL: a slice's gradient from the global stats",
 }
 
 CHECKS = {
-    "ce_vp_stats": check_ce_vp_stats, "ce_vp_grad": check_ce_vp_grad,
-    "jsd_vp_stats": check_jsd_vp_stats, "jsd_vp_sums": check_jsd_vp_sums, "jsd_vp_grad": check_jsd_vp_grad,
-    "kl_div_vp_stats": check_kl_div_vp_stats, "kl_div_vp_grad": check_kl_div_vp_grad,
+    "ce_vp_stats": (check_ce_vp_stats, _fake_stats(3)), "ce_vp_grad": (check_ce_vp_grad, _fake_in_place),
+    "jsd_vp_stats": (check_jsd_vp_stats, _fake_stats(2)), "jsd_vp_sums": (check_jsd_vp_sums, _fake_stats(2)),
+    "jsd_vp_grad": (check_jsd_vp_grad, _fake_in_place),
+    "kl_div_vp_stats": (check_kl_div_vp_stats, _fake_stats(4)), "kl_div_vp_grad": (check_kl_div_vp_grad, _fake_in_place),
 }
 
 
 def declare() -> None:
-    for name, check in CHECKS.items():
-        TABLE.declare_op(OpSpec(name, "kernel", check, summary=SUMMARIES[name]))
+    for name, schema in SCHEMAS.items():
+        check, fake = CHECKS[name]
+        TABLE.declare_op(OpSpec(schema, "kernel", check, fake=fake, summary=SUMMARIES[name]))

@@ -8,6 +8,7 @@ default device is its GPU (so the cases make their tensors there).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -78,3 +79,14 @@ def same_on_every_rank(name: str, t: torch.Tensor, group) -> None:
 def slice_of(t: torch.Tensor, dim: int, sizes: tuple[int, ...], rank: int) -> torch.Tensor:
     """Rank `rank`'s contiguous slice of t along dim when the slices have these sizes, in rank order."""
     return t.narrow(dim, sum(sizes[:rank]), sizes[rank])
+
+
+@contextlib.contextmanager
+def group_of_one(backend: str):
+    """A process group of this process alone (gloo, or nccl on GPU 0), torn down after."""
+    device = {"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **device)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -255,3 +255,51 @@ def test_fp16_gradients_keep_their_digits(op):
         kwargs = dict(reduction="batchmean")
     grads = ("input", "weight") if op == "flce" else ("student_input", "student_weight")
     run_and_compare(op, "reference", dtype, inputs, kwargs, grads)
+
+
+EMPTY_CASES = {
+    "flce": [dict(reduction="mean"), dict(reduction="sum"), dict(reduction="none")],
+    "fused_linear_jsd": [dict(jsd_beta=0.5), dict(jsd_beta=0.0, with_labels=True)],
+    "fused_linear_kl_div": [dict(reduction="batchmean"), dict(reduction="mean", with_labels=True), dict(reduction="sum")],
+    "mhc_coeffs": [{}],
+}
+
+
+def empty_batch(op, dtype, with_labels=False, **kwargs):
+    """(inputs with zero rows, the differentiable ones requiring grad; the op's keywords)."""
+    x, w = randn(0, H, dtype=dtype), randn(V, H, dtype=dtype)
+    rows = labels(0, V) if with_labels else None
+    if op == "flce":
+        inputs = dict(input=x, weight=w, target=labels(0, V), bias=randn(V, dtype=dtype))
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(0, H, dtype=dtype),
+                      teacher_weight=randn(V, H, dtype=dtype), shift_labels=rows)
+    elif op == "fused_linear_kl_div":
+        inputs = dict(student_input=x, student_weight=w, target=randn(0, V).softmax(-1).to(dtype), shift_labels=rows)
+    else:
+        hc, c = MHC_SHAPES[1][-2:]
+        n = hc * hc + 2 * hc
+        inputs = dict(x=randn(0, hc, c, dtype=dtype), phi=randn(hc * c, n, dtype=dtype), b=randn(n),
+                      alpha_pre=torch.tensor(0.8, device=DEVICE), alpha_post=torch.tensor(1.1, device=DEVICE),
+                      alpha_res=torch.tensor(0.9, device=DEVICE))
+    teacher = ("teacher_input", "teacher_weight", "target")  # never differentiated
+    return {k: leaf(v, v.is_floating_point() and k not in teacher) for k, v in inputs.items() if v is not None}, kwargs
+
+
+@pytest.mark.parametrize("op,backend,dtype", cases())
+def test_empty_batch(op, backend, dtype):
+    """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
+    for options in EMPTY_CASES[op]:
+        inputs, kwargs = empty_batch(op, dtype, **options)
+        out = dispatch.op(op, backend=backend)(*inputs.values(), **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        for o in outs:
+            if kwargs.get("reduction") == "none" or op == "mhc_coeffs":
+                assert o.shape[0] == 0, f"{op} {options}: output shape {tuple(o.shape)}"
+            else:
+                assert o.shape == () and o.item() == 0.0, f"{op} {options}: loss {o}"
+        sum(o.float().sum() for o in outs).backward()
+        for name, t in inputs.items():
+            if t.requires_grad:
+                assert t.grad is not None and t.grad.shape == t.shape, f"{op} {options}: no gradient for {name}"
+                assert (t.grad == 0).all(), f"{op} {options}: gradient of {name} is not zero"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from liger_dispatch import dispatch, nn as ldnn
 from liger_dispatch.errors import InputError
 
-from distributed_checks import same_on_every_rank, slice_of, spawn, verdict
+from distributed_checks import group_of_one, same_on_every_rank, slice_of, spawn, verdict
 from kernel_checks import FLCE_CASES, assert_rel_close
 
 WORLD = 2
@@ -60,14 +60,12 @@ def env(**values):
 
 
 def small_blocks():
-    """Triton's row kernels stream 64-byte blocks in the interpreter: a slice spans several, the last ragged."""
+    """In the interpreter, Triton's kernels stream 16-column blocks: a slice spans several, the last ragged."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from liger_dispatch.backends.triton import _support
-    except ImportError:
-        return
-    _support.BLOCK_BYTES = 64
+        return contextlib.nullcontext()
+    from liger_dispatch.backends.triton import vocab_parallel as triton_vp
+
+    return triton_vp.LAUNCH.using(block_size=16)
 
 
 def randn(*shape, scale=1.0):
@@ -404,8 +402,8 @@ def cases(device="cpu", tested=TESTED):
 
 
 def _setup_and_run(fn, group, backend, **kw):
-    small_blocks()
-    fn(group, backend, **kw)
+    with small_blocks():
+        fn(group, backend, **kw)
 
 
 CASES = cases()
@@ -419,6 +417,23 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_case(results, name):
     verdict(results, name)
+
+
+def test_compiled_with_a_process_group():
+    """torch.compile(fullgraph=True) over a call with process_group (a ProcessGroup; the torch op takes its name):
+    the eager loss and gradients, on a gloo group of one in this process."""
+    torch.manual_seed(0)
+    tensors = flce_inputs(bias=True)
+    handle = dispatch.op("flce", backend="reference")
+    with group_of_one("gloo") as group:
+        results = []
+        for fn in (handle, torch.compile(handle, fullgraph=True)):
+            x, w, b = (leaf(tensors[k], True) for k in ("input", "weight", "bias"))
+            loss = fn(x, w, tensors["target"], b, label_smoothing=0.1, process_group=group)
+            loss.backward()
+            results.append((loss, x.grad, w.grad, b.grad))
+    for name, got, want in zip(("loss", "input grad", "weight grad", "bias grad"), *results[::-1]):
+        assert_rel_close(name, got, want, 1e-6)
 
 
 # ---------------------------------------------------------------- on the GPU host
@@ -440,10 +455,9 @@ def test_nccl_two_gpus(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def group_of_one():
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+def nccl_group_of_one():
+    with group_of_one("nccl") as group:
+        yield group
 
 
 REAL = dict(N=2048, H=4096, V=128256)
@@ -452,7 +466,7 @@ REAL = dict(N=2048, H=4096, V=128256)
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["flce", "fused_linear_jsd", "fused_linear_kl_div"])
 @pytest.mark.parametrize("backend", backends("cuda", None, torch.bfloat16) if torch.cuda.is_available() else [])
-def test_nccl_group_of_one_real_shape(group_of_one, op, backend):
+def test_nccl_group_of_one_real_shape(nccl_group_of_one, op, backend):
     """The llama3 head (N=2048, bf16) on a group of one: the vocab-parallel path gives the single-process numbers
     (its own kernels, so to the rounding of bf16 gradients)."""
     from benchmarks import workloads
@@ -464,7 +478,7 @@ def test_nccl_group_of_one_real_shape(group_of_one, op, backend):
             for a in inputs.args]
     handle = dispatch.op(op, backend=backend)
     want = handle(*inputs.args, **inputs.kwargs)
-    got = handle(*mine, process_group=group_of_one, **inputs.kwargs)
+    got = handle(*mine, process_group=nccl_group_of_one, **inputs.kwargs)
     want.backward()
     got.backward()
     assert_rel_close("loss", got, want, 1e-4)

@@ -25,7 +25,6 @@ Registered after Triton and before Helion: on the H200 Triton's kernels are stil
 shapes (benchmarks/NOTES.md), so auto mode picks these only where Triton cannot serve (hc = 3, say).
 """
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from . import _row
 from ._mhc_rows import dot, sigmoid, sinkhorn, sinkhorn_backward
@@ -72,6 +72,10 @@ class BackwardLaunch:
     max_vec: int = 4  # columns of x a thread takes, at most
     unroll: int = 2  # steps of 8 rows whose loads are issued together
     warps_per_sm: int = 12  # what the grid (its row groups) aims to keep resident
+
+
+FWD_LAUNCH = LaunchKnobs("cutedsl mhc_coeff_fwd", ForwardLaunch())
+BWD_LAUNCH = LaunchKnobs("cutedsl mhc_coeff_bwd", BackwardLaunch())
 
 
 def _unsupported(x, phi, *args, hc, **kwargs):
@@ -535,19 +539,14 @@ def _operands(x, phi, b):
     return x, phi.contiguous(), b.contiguous()
 
 
-def _launch(default, config):
-    return default if not config else dataclasses.replace(default, **config)
-
-
 def _alphas(*alphas):
     return tuple(a.reshape(1) for a in alphas)
 
 
 @register_backend("mhc_coeff_fwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                  sinkhorn_eps=1e-6, post_mult=2.0, config=None):
-    """config: a dict of ForwardLaunch fields to override (benchmarks, sweeps)."""
-    launch = _launch(ForwardLaunch(), config)
+                  sinkhorn_eps=1e-6, post_mult=2.0):
+    launch = FWD_LAUNCH.current
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = columns(hc), x.device
@@ -573,9 +572,8 @@ def _grad(g, shape):
 
 @register_backend("mhc_coeff_bwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
-                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None):
-    """config: a dict of BackwardLaunch fields to override (benchmarks, sweeps)."""
-    launch = _launch(BackwardLaunch(), config)
+                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
+    launch = BWD_LAUNCH.current
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = columns(hc), x.device

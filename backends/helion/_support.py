@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,22 +18,23 @@ import torch
 import helion
 import helion.language as hl
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32: the fast log2 flushes anything below to 0
 KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again by a later pass / the last time
 
 # Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
 # kernel bodies eagerly in PyTorch. Either way the kernels take CPU tensors.
-TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HELION_INTERPRETER = os.environ.get("HELION_INTERPRET") == "1"
+TRITON_INTERPRETER = settings.TRITON_INTERPRET.get()
+HELION_INTERPRETER = settings.HELION_INTERPRET.get()
 INTERPRETED = TRITON_INTERPRETER or HELION_INTERPRETER
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CC = (8, 0)
-AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
-CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
+AUTOTUNE = settings.HELION_AUTOTUNE.get()
+CONFIG_DIR = Path(settings.HELION_CONFIG_DIR.get() or Path(__file__).with_name("configs"))
 
 PRIORITY = 30
 RUNS_LIMIT = 1024  # prepared launches a kernel keeps (one per call signature)
@@ -291,7 +291,7 @@ def load_f32(x, tile_c, tile_v, row_mask, policy):
     return hl.load(x, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=policy).to(torch.float32)
 
 
-def online_step(m, u, in_row):
+def online_softmax_step(m, u, in_row):
     """One block of an online softmax in base 2 (Milakov & Gimelshein) over rows of u.
 
     m: running max per row; u: this block's base-2 logits. Returns the new max, alpha [rows, 1] that sums kept

@@ -5,9 +5,10 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, LOG2E, LN2, PRIORITY,
+    CAPABILITY, LOG2E, LN2, PRIORITY, RowLaunch,
     load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
 )
 
@@ -51,7 +52,10 @@ def ce_row_grad(X, cols, y_col, lse2, p_coef, uniform, on_target, softcap, inv_s
 
 @triton.jit
 def _ce_kernel(
-    X, x_stride, Y, y_stride, LOSS, SCALE, scale_stride,
+    X, x_stride,  # [C, V] logits, overwritten by the gradient
+    Y, y_stride,  # [C] int target classes, ignore_index for a skipped row
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, smoothing, lse_square_scale, softcap, inv_softcap,
     V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -86,13 +90,13 @@ def _ce_kernel(
                 NUM_STAGES)
 
 
+LAUNCH = LaunchKnobs("triton ce_loss_and_grad", RowLaunch())
+
+
 @register_backend("ce_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
 def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-                     lse_square_scale=0.0, block_size=None, num_warps=None, num_stages=None):
-    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits.
-
-    block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
-    """
+                     lse_square_scale=0.0):
+    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
     loss, C, V = row_losses(logits)
     if C == 0:
         return loss
@@ -102,6 +106,6 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
         logits, logits.stride(0), target, target.stride(0), loss, scale, scale_stride,
         ignore_index, float(label_smoothing), float(lse_square_scale), cap, 1.0 / cap,
         V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0,
-        **row_launch(V, logits, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
+        **row_launch(V, logits, knobs=LAUNCH.current),
     )
     return loss

@@ -11,10 +11,11 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    label_ignored, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
+    load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -99,7 +100,11 @@ def jsd_row_grad(S, T, cols, lse_s, lse_t, cross2, scale, beta, to_log2, MODE: t
 
 @triton.jit
 def _jsd_kernel(
-    S, s_stride, T, t_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    S, s_stride,  # [C, V] student logits, overwritten by the gradient
+    T, t_stride,  # [C, V] teacher logits, only read
+    LABELS, label_stride,  # [C] int labels, a row whose label is ignore_index is skipped; unread without HAS_LABELS
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, beta, to_log2, grad_mult,
     V: tl.constexpr, MODE: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -107,7 +112,7 @@ def _jsd_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     T += row * t_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
@@ -133,14 +138,14 @@ def _jsd_kernel(
     jsd_row_grad(S, T, cols, lse_s, lse_t, cross2, scale, beta, to_log2, MODE, V, BLOCK, NUM_STAGES)
 
 
+LAUNCH = LaunchKnobs("triton jsd_loss_and_grad", RowLaunch())
+
+
 @register_backend("jsd_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
 def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
-                      grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+                      grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits.
-
-    The teacher is only read. block_size / num_warps / num_stages override the launch configuration (tests,
-    tuning sweeps).
-    """
+    The teacher is only read."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -152,7 +157,6 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
         loss, scale, scale_stride,
         ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature,
         V=V, MODE=mode, HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
-        **row_launch(V, student_logits, teacher_logits, block_size=block_size, num_warps=num_warps,
-                     num_stages=num_stages),
+        **row_launch(V, student_logits, teacher_logits, knobs=LAUNCH.current),
     )
     return loss

@@ -9,10 +9,11 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    label_ignored, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, zero_row,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
+    load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 
@@ -84,7 +85,11 @@ def kl_row_grad(S, Q, lse2, total_q, scale, to_log2, eps, LOG_TARGET: tl.constex
 
 @triton.jit
 def _kl_kernel(
-    S, s_stride, Q, q_stride, LABELS, label_stride, LOSS, SCALE, scale_stride,
+    S, s_stride,  # [C, V] student logits, overwritten by the gradient
+    Q, q_stride,  # [C, V] target probabilities (log-probabilities when LOG_TARGET), only read
+    LABELS, label_stride,  # [C] int labels, a row whose label is ignore_index is skipped; unread without HAS_LABELS
+    LOSS,  # [C] fp32 per-row loss, written
+    SCALE, scale_stride,  # [C] grad_scale (stride 0: one value for every row); unread without HAS_SCALE
     ignore_index, to_log2, grad_mult, eps,
     V: tl.constexpr, LOG_TARGET: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -92,7 +97,7 @@ def _kl_kernel(
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
     Q += row * q_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_row(S, LOSS, row, V, BLOCK)
         return
 
@@ -102,14 +107,14 @@ def _kl_kernel(
     tl.store(LOSS + row, loss)
 
 
+LAUNCH = LaunchKnobs("triton kl_div_loss_and_grad", RowLaunch())
+
+
 @register_backend("kl_div_loss_and_grad", backend="triton", priority=PRIORITY, capability=CAPABILITY)
 def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                         log_target=False, grad_scale=None, block_size=None, num_warps=None, num_stages=None):
+                         log_target=False, grad_scale=None):
     """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits are overwritten with
-    grad_scale * dloss/dlogits. The target is only read.
-
-    block_size / num_warps / num_stages override the launch configuration (tests, tuning sweeps).
-    """
+    grad_scale * dloss/dlogits. The target is only read."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -120,6 +125,6 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
         loss, scale, scale_stride,
         ignore_index, LOG2E.value / temperature, 1.0 / temperature, max(float(eps), FLT_MIN.value),
         V=V, LOG_TARGET=bool(log_target), HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
-        **row_launch(V, student_logits, target, block_size=block_size, num_warps=num_warps, num_stages=num_stages),
+        **row_launch(V, student_logits, target, knobs=LAUNCH.current),
     )
     return loss

@@ -19,6 +19,7 @@ are launched directly after the first call (_Launch), which keeps the Python cos
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -28,6 +29,7 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs, given
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
 
@@ -512,23 +514,46 @@ def _operands(x, phi, b):
 
 
 def _signature(x, phi, hc, tmax, scalars):
-    """The arguments of a plan, config aside."""
+    """The arguments of a plan, launch knobs aside."""
     return (*x.shape, x.stride(0), hc, tmax, x.dtype, phi.dtype, x.device, scalars)
 
 
-def _config_key(config):
-    return tuple(sorted(config.items())) if config else None
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    """Launch knobs of the forward (fwd_config's keys); None: fwd_config's choice."""
+
+    BM: Optional[int] = None
+    BK: Optional[int] = None
+    split: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLaunch:
+    """Launch knobs of the backward (bwd_config's keys); None: bwd_config's choice."""
+
+    BM: Optional[int] = None
+    BK: Optional[int] = None
+    groups: Optional[int] = None
+    BR: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+FWD_LAUNCH = LaunchKnobs("triton mhc_coeff_fwd", ForwardLaunch())
+BWD_LAUNCH = LaunchKnobs("triton mhc_coeff_bwd", BackwardLaunch())
 
 
 class _FwdPlan:
     __slots__ = ("ws_shape", "main", "epilogue")
 
-    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config):
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, knobs):
         self.ws_shape = self.main = self.epilogue = None
         if M == 0:
             return
         _, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
-        cfg = fwd_config(M, K, _num_sms(device), cast_f32) | dict(config or ())
+        cfg = fwd_config(M, K, _num_sms(device), cast_f32) | given(knobs)
         bm, bk = cfg["BM"], cfg["BK"]
         k_iters = cdiv(cdiv(K, bk), cfg["split"])
         split = cdiv(cdiv(K, bk), k_iters)
@@ -546,14 +571,15 @@ class _FwdPlan:
 @register_backend("mhc_coeff_fwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, *,
-    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
+    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0,
 ):
     x, phi, b = _operands(x, phi, b)
     scalars = (float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
     signature = _signature(x, phi, hc, tmax, scalars)
     # the other tensors' dtypes too: the kept compiled kernels are specialized on them
     dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype)
-    plan = _plan(_FwdPlan, (*signature, dtypes, _config_key(config)), *signature, config)
+    knobs = FWD_LAUNCH.forced
+    plan = _plan(_FwdPlan, (*signature, dtypes, knobs), *signature, knobs)
     dev = x.device
     pre, post, res, mix, rstd = forward_outputs(x.shape[0], hc, dev)
     if plan.main is None:
@@ -572,14 +598,14 @@ def mhc_coeff_fwd(
 class _BwdPlan:
     __slots__ = ("n", "dot_dtype", "part_shape", "hist_shape", "phi_ws_shape", "coeff", "mm", "reduce")
 
-    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config, grads):
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, knobs, grads):
         """grads: (dtype, strides) of each upstream gradient, None where it is absent."""
         n = self.n = columns(hc)
         dot_dtype, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
         self.dot_dtype = dot_dtype
         if M == 0:
             return
-        cfg = bwd_config(M, K, hc, _num_sms(device), cast_f32) | dict(config or ())
+        cfg = bwd_config(M, K, hc, _num_sms(device), cast_f32) | given(knobs)
 
         # 1. coefficient producer
         br = cfg["BR"]
@@ -616,7 +642,7 @@ def _grad_key(g):
 @register_backend("mhc_coeff_bwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_bwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
-    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
+    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0,
 ):
     x, phi, b = _operands(x, phi, b)
     if not mix.is_contiguous():
@@ -627,7 +653,8 @@ def mhc_coeff_bwd(
     signature = _signature(x, phi, hc, tmax, scalars)
     grads = (_grad_key(grad_h_pre), _grad_key(grad_h_post), _grad_key(grad_h_res))
     dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype, mix.dtype, rstd.dtype)
-    plan = _plan(_BwdPlan, (*signature, grads, dtypes, _config_key(config)), *signature, config, grads)
+    knobs = BWD_LAUNCH.forced
+    plan = _plan(_BwdPlan, (*signature, grads, dtypes, knobs), *signature, knobs, grads)
     M, K = x.shape
     n, dev = plan.n, x.device
     grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, n)

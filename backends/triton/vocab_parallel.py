@@ -12,17 +12,27 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from ._support import (
-    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY,
-    label_ignored, load_scale, row_launch, scale_args, tanh, zero_cols,
+    CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
+    load_scale, row_launch, scale_args, tanh, valid_row, zero_cols,
 )
 from .ce import ce_row_grad, ce_row_stats
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, jsd_row_grad, jsd_row_stats, jsd_row_sums
 from .kl_div import kl_row_grad, kl_row_stats
 
 
+# one set of row-kernel knobs for the module's seven kernels (tests force small blocks with LAUNCH.using)
+LAUNCH = LaunchKnobs("triton vocab-parallel ops", RowLaunch())
+
+
 def _register(op):
     return register_backend(op, backend="triton", priority=PRIORITY, capability=CAPABILITY)
+
+
+def _launch(n_cols, *tensors):
+    """row_launch for rows of n_cols (an empty slice launches its statistics rows with a block of 1)."""
+    return row_launch(max(n_cols, 1), *tensors, knobs=LAUNCH.current)
 
 
 @triton.jit
@@ -88,7 +98,7 @@ def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=Non
         cap = float(softcap or 1.0)
         _ce_stats_kernel[(C,)](
             logits, logits.stride(0), target, target.stride(0), out, vocab_start, ignore_index, cap, 1.0 / cap,
-            V=V, HAS_SOFTCAP=softcap is not None, **row_launch(max(V, 1), logits),
+            V=V, HAS_SOFTCAP=softcap is not None, **_launch(V, logits),
         )
     return out
 
@@ -104,7 +114,7 @@ def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=N
     _ce_grad_kernel[(C,)](
         logits, logits.stride(0), target, target.stride(0), lse, lse.stride(0), scale, scale_stride,
         vocab_start, ignore_index, float(label_smoothing), 1.0 / (vocab_size or V), float(lse_square_scale),
-        cap, 1.0 / cap, V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, **row_launch(V, logits),
+        cap, 1.0 / cap, V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, **_launch(V, logits),
     )
 
 
@@ -118,7 +128,7 @@ def _jsd_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     OUT += row * 2
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         _zero_stats(OUT, 2)
         return
     lse_s, lse_t, _, _, _ = jsd_row_stats(S + row * s_stride, T + row * t_stride, tl.arange(0, BLOCK), to_log2,
@@ -145,7 +155,7 @@ def _jsd_sums_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     OUT += row * 2
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         _zero_stats(OUT, 2)
         return
     lse_s, lse_t = _global_lse2(LSE, lse_stride, lse_col_stride, row)
@@ -174,7 +184,7 @@ def _jsd_grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_cols(S, V, BLOCK)
         return
     lse_s, lse_t = _global_lse2(LSE, lse_stride, lse_col_stride, row)
@@ -202,7 +212,7 @@ def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-1
         _jsd_stats_kernel[(C,)](
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), lab, lab_stride, out,
             ignore_index, LOG2E.value / temperature,
-            V=V, HAS_LABELS=has_labels, **row_launch(max(V, 1), student_logits, teacher_logits),
+            V=V, HAS_LABELS=has_labels, **_launch(V, student_logits, teacher_logits),
         )
     return out
 
@@ -217,7 +227,7 @@ def jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, i
             student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0), lab, lab_stride,
             lse, lse.stride(0), lse.stride(1), out, ignore_index, float(beta), LOG2E.value / temperature,
             V=V, MODE=_jsd_mode(beta), HAS_LABELS=has_labels,
-            **row_launch(max(V, 1), student_logits, teacher_logits),
+            **_launch(V, student_logits, teacher_logits),
         )
     return out
 
@@ -235,7 +245,7 @@ def jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=
         lse, lse.stride(0), lse.stride(1), sums, sums.stride(0), sums.stride(1), scale, scale_stride,
         ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature,
         V=V, MODE=_jsd_mode(beta), HAS_LABELS=has_labels, HAS_SCALE=has_scale,
-        **row_launch(V, student_logits, teacher_logits),
+        **_launch(V, student_logits, teacher_logits),
     )
 
 
@@ -251,7 +261,7 @@ def _kl_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     OUT += row * 4
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         _zero_stats(OUT, 4)
         return
     lse2, q_sum, q_log_q, q_s2 = kl_row_stats(S + row * s_stride, Q + row * q_stride, to_log2, eps, LOG_TARGET, True,
@@ -276,7 +286,7 @@ def _kl_grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     S += row * s_stride
-    if label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS):
+    if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_cols(S, V, BLOCK)
         return
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
@@ -295,7 +305,7 @@ def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, t
             student_logits, student_logits.stride(0), target, target.stride(0), lab, lab_stride, out,
             ignore_index, LOG2E.value / temperature, max(float(eps), FLT_MIN.value),
             V=V, LOG_TARGET=bool(log_target), HAS_LABELS=has_labels,
-            **row_launch(max(V, 1), student_logits, target),
+            **_launch(V, student_logits, target),
         )
     return out
 
@@ -313,5 +323,5 @@ def kl_div_vp_grad(student_logits, target, lse, target_sum, labels=None, *, igno
         lse, lse.stride(0), target_sum, target_sum.stride(0), scale, scale_stride,
         ignore_index, LOG2E.value / temperature, 1.0 / temperature,
         V=V, LOG_TARGET=bool(log_target), HAS_LABELS=has_labels, HAS_SCALE=has_scale,
-        **row_launch(V, student_logits, target),
+        **_launch(V, student_logits, target),
     )

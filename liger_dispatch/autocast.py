@@ -1,0 +1,48 @@
+"""torch.autocast for the fused-linear ops: they replace an `F.linear`, so they cast as autocast casts a linear layer.
+
+Under autocast the op's linear operands (OpSpec.autocast) are cast to the autocast dtype before the checks, as
+autocast would cast them for F.linear (an fp32 master weight with a bf16 activation is the usual case); autograd
+brings each gradient back in its parameter's own dtype. The implementations then run with autocast off: their
+math is written for the dtypes they are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from liger_dispatch.schema import Args
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _device_type(a: Args) -> str:
+    return next(v.device.type for v in a.__dict__.values() if isinstance(v, torch.Tensor))
+
+
+def _enabled() -> bool:
+    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+
+
+def active(a: Args) -> bool:
+    return _enabled() and torch.is_autocast_enabled(_device_type(a))
+
+
+def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
+    """The call with its linear operands in the autocast dtype: (bound arguments, positional, keyword)."""
+    dtype = torch.get_autocast_dtype(_device_type(a))
+    values = dict(a.__dict__)
+    for name in spec.autocast:
+        value = values[name]
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            values[name] = value.to(dtype)
+    cast_args = Args(values)
+    return (cast_args, *spec.schema.call_args(cast_args))
+
+
+def disabled(a: Args):
+    """A context that turns autocast off for the implementation, when it is on."""
+    if not _enabled():
+        return _NOTHING
+    return torch.autocast(_device_type(a), enabled=False)
