@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -95,9 +96,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", parents=[where], help="a short distillation + LM-head training run on this machine")
-    demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
+    demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
+    demo.add_argument("--model", default="llama", choices=["llama", "mhc"],
+                      help="llama: a tiny Hugging Face Llama trained with the patched loss, then distilled into a "
+                           "smaller one (needs the `demo` extra); mhc: a small LM with an mHC block, no extras")
+    demo.add_argument("--steps", type=int, help="training steps (default: 60 per phase for llama, 30 for mhc)")
+    demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"],
+                      help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
+    demo.add_argument("--png", type=Path, default=Path("liger-dispatch-demo.png"),
+                      help="where the llama demo writes its loss curves")
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
     problem = device_problem(device)
@@ -107,10 +114,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else default_dtype(torch.device(device))
     try:
         settings.check_all()
-        if args.command == "demo":
+        if args.command == "demo" and args.model == "mhc":
             from liger_dispatch.demo import run
 
-            return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
+            return run(steps=args.steps or 30, device=device, dtype=dtype, distill=args.loss)
+        if args.command == "demo":
+            from liger_dispatch.demo_llama import run
+
+            return run(steps=args.steps or 60, device=device, dtype=dtype, distill=args.loss, png=args.png)
         matrix(device, dtype)
     except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -64,7 +64,7 @@ def test_two_threads_discovering_at_once_do_not_deadlock(tmp_path):
         import importlib, threading, time, torch
         import liger_dispatch as ld
         from liger_dispatch.table import TABLE, OpSpec
-        TABLE.declare_op(OpSpec("dl_op", "kernel", lambda x: None))
+        TABLE.declare_op(OpSpec("dl_op(Tensor x) -> Tensor", "kernel", lambda a: None))
         ld.declare_op_locations("dl_op", {"mine": "backend_mod"})
         results = []
         b = threading.Thread(target=lambda: importlib.import_module("shared_mod"), daemon=True)
