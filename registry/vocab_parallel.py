@@ -64,11 +64,6 @@ def _row_stats(name, stats, n, columns):
         raise InputError(f"{name} must be float32 of shape {list(shape)}, got {stats.dtype} {tuple(stats.shape)}")
 
 
-def _options(a):
-    c.positive("temperature", a.temperature)
-    c.integer("ignore_index", a.ignore_index)
-
-
 def check_ce_vp_stats(a):
     n = _logits("logits", a.logits)
     _labels("target", a.target, n)
@@ -93,12 +88,20 @@ def check_ce_vp_grad(a):
     c.non_negative("lse_square_scale", a.lse_square_scale)
 
 
-def check_jsd_vp_stats(a):
+def _student_and(a, other: str) -> int:
+    """student_logits [C, Vl], `other` of the same shape (the teacher's logits, the KL target), the labels and the
+    options every JSD / KL op has; returns C."""
     n = _logits("student_logits", a.student_logits)
-    _same_shape("teacher_logits", a.teacher_logits, "student_logits", a.student_logits)
+    _same_shape(other, getattr(a, other), "student_logits", a.student_logits)
     _labels("labels", a.labels, n)
-    c.same_device(student_logits=a.student_logits, teacher_logits=a.teacher_logits, labels=a.labels)
-    _options(a)
+    c.same_device(student_logits=a.student_logits, **{other: getattr(a, other)}, labels=a.labels)
+    c.positive("temperature", a.temperature)
+    c.integer("ignore_index", a.ignore_index)
+    return n
+
+
+def check_jsd_vp_stats(a):
+    _student_and(a, "teacher_logits")
 
 
 def check_jsd_vp_sums(a):
@@ -116,22 +119,13 @@ def check_jsd_vp_grad(a):
     c.grad_scale(a.grad_scale, n)
 
 
-def _kl_div_slices(a):
-    n = _logits("student_logits", a.student_logits)
-    _same_shape("target", a.target, "student_logits", a.student_logits)
-    _labels("labels", a.labels, n)
-    c.same_device(student_logits=a.student_logits, target=a.target, labels=a.labels)
-    _options(a)
-    return n
-
-
 def check_kl_div_vp_stats(a):
-    _kl_div_slices(a)
+    _student_and(a, "target")
     c.non_negative("eps", a.eps)
 
 
 def check_kl_div_vp_grad(a):
-    n = _kl_div_slices(a)
+    n = _student_and(a, "target")
     _row_stats("lse", a.lse, n, None)
     _row_stats("target_sum", a.target_sum, n, None)
     c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)

@@ -14,6 +14,7 @@ import torch
 
 import liger_dispatch as ld
 from liger_dispatch import dispatch, vocab_parallel
+from liger_dispatch.errors import InputError
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 
 from kernel_checks import DEVICE, IGNORE, check, grad_scale, inputs, reference
@@ -213,3 +214,18 @@ def test_opcheck(backend):
         result = torch.library.opcheck(getattr(torch.ops.liger_dispatch, op).default, args,
                                        dict(kwargs, backend=backend))
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
+
+
+def test_bad_inputs_name_the_argument():
+    x, target, lse = logits(vocab=24), labels(), torch.zeros(C, device=DEVICE)
+    cases = [
+        ("ce_vp_grad", (x, target, torch.zeros(C + 1, device=DEVICE)), {}, "lse must be float32 of shape"),
+        ("ce_vp_grad", (x, target, lse), dict(vocab_start=5, vocab_size=20), "slice ends at column 29"),
+        ("ce_vp_stats", (x, target), dict(vocab_start=-1), "vocab_start must be >= 0"),
+        ("jsd_vp_stats", (x, logits(vocab=23)), {}, "teacher_logits has shape"),
+        ("jsd_vp_grad", (x, x, torch.zeros(C, 2, device=DEVICE), lse), {}, "sums must be float32 of shape"),
+        ("kl_div_vp_grad", (x, x, lse, lse[:-1]), {}, "target_sum must be float32 of shape"),
+    ]
+    for op, args, kwargs, message in cases:
+        with pytest.raises(InputError, match=message):
+            dispatch.op(op, backend="reference")(*args, **kwargs)
