@@ -11,8 +11,8 @@ launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
 
 Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
 kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
-rank's chunks for the widest slice (so all ranks make the same collectives), sums dX over the ranks, and gives
-the whole vocabulary to the KL mean. The compositions take `process_group` because the op's schema has it; the
+rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold for
+every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take `process_group` because the op's schema has it; the
 dispatcher sends a call that sets it to the vocab-parallel driver, which builds them with the shard.
 """
 
@@ -23,21 +23,9 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import settings
+from liger_dispatch import grad_bounds, settings
 
 ROW_ALIGN = 64
-# fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
-# (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
-# (|d loss_i / d logit| <= ~2, so the buffer stays far from fp16's 65504), and the GEMM outputs are scaled back.
-FP16_GRAD_PEAK = 4096.0
-
-
-def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
-    if dtype != torch.float16 or grad_scale.numel() == 0:
-        return grad_scale, None
-    peak = grad_scale.abs().amax().clamp_min(1e-30)
-    return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
@@ -92,15 +80,20 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
-               extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
-               accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
+               row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
+    row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     vocab_parallel: the VocabShard of a vocab-parallel call, or None.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
-    kernel_scale, unscale = split_scale(grad_scale, x.dtype)
+    kernel_scale, unscale = grad_scale, None
+    if x.dtype == torch.float16 and n > 0:
+        bound = row_bound() if vocab_parallel is None else vocab_parallel.bound_over_ranks(row_bound, x, vocab)
+        if vocab:  # an empty vocabulary slice (vocab-parallel) writes no gradient
+            kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
     if unscale is not None:
         accum_dtype = torch.float32
     widest = vocab if vocab_parallel is None else vocab_parallel.widest
@@ -151,6 +144,11 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
     return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
 
 
+def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]:
+    return lambda: grad_bounds.ce(x, weight, bias, softcap=options["softcap"],
+                                  lse_square_scale=options["lse_square_scale"])
+
+
 def _wanted(need_grads, count: int) -> list[bool]:
     """need_grads as `count` flags (missing ones are False)."""
     return ([bool(w) for w in need_grads] + [False] * count)[:count]
@@ -177,7 +175,7 @@ def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
             scale = torch.ones((), device=x.device)
         rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
                                       want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype,
-                                      vocab_parallel=vocab_parallel)
+                                      row_bound=_ce_bound(x, weight, bias, options), vocab_parallel=vocab_parallel)
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
         else:
@@ -214,7 +212,10 @@ def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
 
         rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
                                      extra_bytes_per_logit=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel)
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.jsd(xt, teacher_weight, beta=jsd_beta,
+                                                                       temperature=temperature),
+                                     vocab_parallel=vocab_parallel)
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
@@ -246,7 +247,10 @@ def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
                           eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
         rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel)
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
+                                                                          log_target=log_target),
+                                     vocab_parallel=vocab_parallel)
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div

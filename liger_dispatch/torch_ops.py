@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch import selection, vocab_parallel
+from liger_dispatch import grad_scale, selection, vocab_parallel
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
 
@@ -60,7 +60,7 @@ class _GradsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return None, *(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        return None, *grad_scale.scaled(ctx, grad_loss)
 
 
 class _RowLosses(torch.autograd.Function):
@@ -227,6 +227,7 @@ def _define_loss(spec: OpSpec) -> None:
             own = ctx.inputs[: len(spec.schema.positional)]
             grads = getattr(torch.ops.liger_dispatch, spec.name)(*own, grad_loss, **keywords)[1:]
         else:
+            # out of place: a traced backward may not change what the forward saved
             grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
         result = [None] * ctx.positional
         for i, g, w in zip(where, grads, need):

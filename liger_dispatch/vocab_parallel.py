@@ -136,6 +136,18 @@ class VocabShard:
         """t <- its sum over the ranks, in place (t contiguous)."""
         dist.all_reduce(t, group=self.group)
 
+    def bound_over_ranks(self, row_bound: Callable, x: torch.Tensor, vocab: int) -> torch.Tensor:
+        """A bound of each row's gradient L1 norm on every slice (fp16 buffers, grad_bounds.py): the sum over the
+        ranks of each slice's own bound ([N] fp32 for the N rows of x, one all-reduce). A slice's bound, computed from its own
+        tensors, need not hold for the others: its lse bound misses the other slices' logits, its KL mass the
+        other slices' target mass. The sum covers them: the KL gradient's L1 norm on a slice is at most
+        (total mass + slice mass) / T, and the CE / JSD bounds grow with each slice's logit bound and log of its
+        width, whose sums exceed their maximum and log of the total width (slices of at least 2 columns)."""
+        local = row_bound() if vocab else 0.0
+        total = torch.as_tensor(local, dtype=torch.float32, device=x.device).broadcast_to(x.shape[:1]).contiguous()
+        self.sum_over_ranks(total)
+        return total
+
 
 def combine(gathered: torch.Tensor, lse_columns: int) -> torch.Tensor:
     """Global per-row statistics from every rank's [W, C, k]: a log-sum-exp over the ranks of the first

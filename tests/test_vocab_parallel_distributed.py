@@ -178,6 +178,40 @@ def flce_bf16_module(group, backend):
     same_on_every_rank("loss", got, group)
 
 
+def fp16_bounds(group, backend):
+    """fp16: the gradient buffers are scaled by a bound of each row's gradient (grad_bounds.py), which on a slice
+    must cover the other slices: a KL target whose mass sits on rank 1's columns, a strong z-loss, and an empty
+    slice. The same numbers as the single-process op in fp16 (its own rounding: looser tolerance)."""
+    rank = dist.get_rank(group)
+    x, w = randn(N, H).half(), randn(V, H, scale=H ** -0.5).half()
+    target = torch.softmax(randn(N, V, scale=2.0), dim=-1)
+    target[:, :SIZES[0]] *= 1e-3  # rank 0's slice holds almost no mass
+    target = target / target.sum(-1, keepdim=True)
+    calls = [
+        ("fused_linear_kl_div", dict(student_input=x, student_weight=w, target=target), {"student_weight": 0,
+                                                                                          "target": 1}, SIZES, {}),
+        ("flce", dict(input=x, weight=w, target=labels()), {"weight": 0}, SIZES, dict(lse_square_scale=0.5)),
+        ("flce", dict(input=x, weight=w, target=labels()), {"weight": 0}, (0, V), dict(label_smoothing=0.1)),
+    ]
+    for op, tensors, sliced, sizes, options in calls:
+        first = next(iter(tensors))
+        mine = {k: leaf(slice_of(v, sliced[k], sizes, rank) if k in sliced else v, v.is_floating_point() and k != "target")
+                for k, v in tensors.items()}
+        whole = {k: leaf(v, v.is_floating_point() and k != "target") for k, v in tensors.items()}
+        got = dispatch.op(op, backend=backend)(**mine, process_group=group, **options)
+        want = dispatch.op(op, backend=backend)(**whole, **options)
+        got.backward()
+        want.backward()
+        weight = WEIGHT_NAME[op]
+        assert_rel_close(f"{op} fp16 loss", got, want, 1e-3)
+        assert_rel_close(f"{op} fp16 input grad", mine[first].grad, whole[first].grad, 2e-2)
+        assert_rel_close(f"{op} fp16 weight grad", mine[weight].grad,
+                         slice_of(whole[weight].grad, 0, sizes, rank), 2e-2)
+
+
+WEIGHT_NAME = {"flce": "weight", "fused_linear_kl_div": "student_weight"}
+
+
 # ---------------------------------------------------------------- fused_linear_jsd and fused_linear_kl_div
 
 
@@ -384,6 +418,7 @@ def cases(device="cpu", tested=TESTED):
         add("flce-all-ignored", flce_all_ignored)
         add("flce-target-out-of-range", flce_target_out_of_range)
         add("flce-bf16-module", flce_bf16_module)
+        add("fp16-gradient-bounds", fp16_bounds)
         for beta in (0.0, 0.5, 1.0):
             for temperature, t_squared in ((1.0, False), (2.0, True)):
                 add(f"jsd-beta{beta}-T{temperature}", jsd_case, beta=beta, temperature=temperature,
