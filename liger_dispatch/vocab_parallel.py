@@ -13,6 +13,7 @@ buffer exists anywhere. Collectives of one call:
     flce, fused_linear_kl_div                                        1 all-gather a chunk ([C, 3] / [C, 4] fp32)
     fused_linear_jsd                                                 1 all-gather ([C, 2]) + 1 all-reduce ([C, 2])
     input gradient                                                   1 all-reduce SUM of dX [N, H]
+    fp16 inputs only: the gradient buffers' scale                     1 all-reduce SUM of a [N] fp32 bound
 
 flce with reduction="none" runs its chunks again in the backward (sizes and statistics again, then dX).
 
