@@ -42,7 +42,7 @@ class OpHandle:
 
     def _bound(self, args: tuple, kwargs: dict):
         a = self._spec.schema.bind(args, kwargs)
-        if self._spec.autocast and autocast.active(a):
+        if self._spec.autocast and autocast.active(self._spec, a):
             a, args, kwargs = autocast.cast(self._spec, a)
         self._spec.check(a)
         return a, args, kwargs

@@ -7,13 +7,15 @@ for scalar reductions; reduction="none" recomputes in the backward with the per-
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
-launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
+launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). With LIGER_CHUNK_OVERLAP on,
+each chunk's loss kernel runs on a second CUDA stream, in two parts, overlapping the GEMMs (loss_stream.py).
 
 Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
 kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
-rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold for
-every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take `process_group` because the op's schema has it; the
-dispatcher sends a call that sets it to the vocab-parallel driver, which builds them with the shard.
+rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
+for every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take
+`process_group` because the op's schema has it; the dispatcher sends a call that sets it to the vocab-parallel
+driver, which builds them with the shard.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from liger_dispatch import grad_bounds, settings
+from liger_dispatch.loss_stream import LossStream
 
 ROW_ALIGN = 64
 
@@ -103,14 +106,24 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
     losses = []
+    stream = LossStream(x.device)  # the loss kernels overlap the GEMMs (loss_stream.py) where it is active
+    stream.adopt(buffer)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         logits = buffer[: end - start]
         x_c = x[start:end]
-        _linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+        parts = []
+        for part_start, part_end in stream.parts(start, end):
+            part = buffer[part_start - start: part_end - start]
+            _linear_into(x[part_start:part_end], weight, bias, part)
+            scale = kernel_scale[part_start:part_end] if kernel_scale.dim() else kernel_scale
+            part_losses, done = stream.run(chunk_loss, part, part_start, part_end, scale)
+            losses.append(part_losses)
+            parts.append((part, part_start, part_end, done))
+        for part, part_start, part_end, done in parts:
+            stream.wait(done)
+            if dx is not None:
+                torch.mm(part, weight, out=dx[part_start:part_end])
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
@@ -199,11 +212,11 @@ def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
         scale = factor / count
-        teacher = []  # one buffer, sized by the first (largest) chunk
+        teacher = []  # one buffer, sized by the first call: the largest unless chunks are cut into parts
 
         def chunk_loss(logits, start, end, chunk_scale):
-            if not teacher:
-                teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
+            if not teacher or teacher[0].shape[0] < logits.shape[0]:  # a whole chunk after another's parts
+                teacher[:] = [torch.empty(logits.shape, dtype=xt.dtype, device=xt.device)]
             t_logits = teacher[0][: end - start]
             torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
             chunk_labels = None if labels is None else labels[start:end]

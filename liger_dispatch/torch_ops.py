@@ -44,10 +44,6 @@ def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
     return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (getattr(a, n) for n in spec.differentiable))
 
 
-def _first_tensor(a: Args) -> torch.Tensor:
-    return next(v for v in a.__dict__.values() if isinstance(v, torch.Tensor))
-
-
 # -- eager ----------------------------------------------------------------------------------------------------------
 class _GradsInForward(torch.autograd.Function):
     """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""

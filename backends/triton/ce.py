@@ -9,15 +9,15 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, LOG2E, LN2, PRIORITY, RowLaunch,
-    load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+    block_start, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
 )
 
 
 @triton.jit
 def ce_row_stats(X, cols, softcap, inv_softcap, V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SUM: tl.constexpr,
                  BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Pass 1 over a row X of V logits in blocks of cols = arange(BLOCK): (lse2 = log2 sum_j exp2(z_j log2 e), the
-    per-lane sums of z when HAS_SUM), z softcapped when HAS_SOFTCAP. Running max and per-lane sums of exp2."""
+    """Pass 1 over a row X of V logits, forward in blocks of cols = arange(BLOCK): (lse2 = log2 sum_j exp2(z_j log2 e),
+    the per-lane sums of z when HAS_SUM), z softcapped when HAS_SOFTCAP. Running max and per-lane sums of exp2."""
     m = -float("inf")
     d = tl.zeros([BLOCK], tl.float32)
     z_sum = tl.zeros([BLOCK], tl.float32)
@@ -35,9 +35,11 @@ def ce_row_stats(X, cols, softcap, inv_softcap, V: tl.constexpr, HAS_SOFTCAP: tl
 @triton.jit
 def ce_row_grad(X, cols, y_col, lse2, p_coef, uniform, on_target, softcap, inv_softcap, V: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Pass 2 over a row X of V logits, overwritten with (p_coef softmax_j - uniform - on_target [j == y_col]) dz_j/dX_j,
-    softmax_j = exp2(z_j log2 e - lse2). y_col is an int32 column (outside [0, V): no target in this row)."""
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+    """Pass 2 over a row X of V logits, backward (it begins on the blocks pass 1 left in L2), overwritten with
+    (p_coef softmax_j - uniform - on_target [j == y_col]) dz_j/dX_j, softmax_j = exp2(z_j log2 e - lse2). y_col is
+    an int32 column (outside [0, V): no target in this row)."""
+    for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+        start = block_start(i, V, BLOCK, True)
         x, mask = load_block(X, start, cols, V, "evict_first")
         if HAS_SOFTCAP:
             t = tanh(x * inv_softcap)

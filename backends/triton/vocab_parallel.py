@@ -15,11 +15,11 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    load_scale, row_launch, scale_args, tanh, valid_row, zero_cols,
+    load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, valid_row, zero_cols,
 )
 from .ce import ce_row_grad, ce_row_stats
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, jsd_row_grad, jsd_row_stats, jsd_row_sums
-from .kl_div import kl_row_grad, kl_row_stats
+from .kl_div import _kl_terms
 
 
 # one set of row-kernel knobs for the module's seven kernels (tests force small blocks with LAUNCH.using)
@@ -191,7 +191,7 @@ def _jsd_grad_kernel(
     cross2 = tl.load(SUMS + row * sums_stride + sums_col_stride) * LOG2E
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
     jsd_row_grad(S, T + row * t_stride, tl.arange(0, BLOCK), lse_s, lse_t, cross2, scale, beta, to_log2, MODE, V,
-                 BLOCK, NUM_STAGES)
+                 BLOCK, NUM_STAGES, False)
 
 
 def _jsd_mode(beta):
@@ -264,12 +264,30 @@ def _kl_stats_kernel(
     if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         _zero_stats(OUT, 4)
         return
-    lse2, q_sum, q_log_q, q_s2 = kl_row_stats(S + row * s_stride, Q + row * q_stride, to_log2, eps, LOG_TARGET, True,
-                                              V, BLOCK, NUM_STAGES)
-    tl.store(OUT, lse2 * LN2)
-    tl.store(OUT + 1, q_sum)
-    tl.store(OUT + 2, q_log_q)
-    tl.store(OUT + 3, q_s2 * LN2)
+    S += row * s_stride
+    Q += row * q_stride
+    cols = tl.arange(0, BLOCK)
+    m = -float("inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    q_sum = tl.zeros([BLOCK], tl.float32)
+    terms = tl.zeros([BLOCK], tl.float32)
+    q_s2 = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, mask = load_block(S, start, cols, V, "evict_first")
+        target, _ = load_block(Q, start, cols, V, "evict_first")
+        s2 *= to_log2
+        m, alpha, e = online_softmax_step(m, tl.where(mask, s2, -float("inf")))
+        d = d * alpha + e
+        # the loss terms at lse2 = 0 are q (log q - s2 ln2): q log q is those plus q s2 ln2
+        q, _, block_terms = _kl_terms(s2, target, mask, 0.0, eps, LOG_TARGET)
+        q_sum += q
+        terms += block_terms
+        q_s2 += q * s2
+    q_s = tl.sum(q_s2, 0) * LN2
+    tl.store(OUT, (m + tl.log2(tl.sum(d, 0))) * LN2)
+    tl.store(OUT + 1, tl.sum(q_sum, 0))
+    tl.store(OUT + 2, tl.sum(terms, 0) + q_s)
+    tl.store(OUT + 3, q_s)
 
 
 @triton.jit
@@ -289,9 +307,17 @@ def _kl_grad_kernel(
     if not valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS):
         zero_cols(S, V, BLOCK)
         return
+    Q += row * q_stride
+    lse2 = tl.load(LSE + row * lse_stride) * LOG2E
+    total_q = tl.load(TOTAL + row * total_stride)
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
-    kl_row_grad(S, Q + row * q_stride, tl.load(LSE + row * lse_stride) * LOG2E, tl.load(TOTAL + row * total_stride),
-                scale, to_log2, 1.0, LOG_TARGET, False, V, BLOCK, NUM_STAGES)
+    cols = tl.arange(0, BLOCK)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, mask = load_block(S, start, cols, V, "evict_first")
+        target, _ = load_block(Q, start, cols, V, "evict_first")
+        q, ls2, _ = _kl_terms(s2 * to_log2, target, mask, lse2, 1.0, LOG_TARGET)  # eps only enters the loss terms
+        g = scale * (tl.exp2(ls2) * total_q - q)
+        tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
 
 
 @_register("kl_div_vp_stats")
