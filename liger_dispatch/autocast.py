@@ -21,12 +21,13 @@ def _device_type(spec, a: Args) -> str:
     return getattr(a, spec.autocast[0]).device.type
 
 
-def _enabled() -> bool:
-    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+def enabled() -> bool:
+    """Autocast is on for some device type (one call into C, on every op call)."""
+    return torch._C._is_any_autocast_enabled()
 
 
 def active(spec, a: Args) -> bool:
-    return _enabled() and torch.is_autocast_enabled(_device_type(spec, a))
+    return enabled() and torch.is_autocast_enabled(_device_type(spec, a))
 
 
 def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
@@ -43,7 +44,7 @@ def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
 
 def disabled(a: Args):
     """A context that turns autocast off for the implementation, when it is on."""
-    if not _enabled():
+    if not enabled():
         return _NOTHING
     device_type = next(v.device.type for v in vars(a).values() if isinstance(v, torch.Tensor))
     return torch.autocast(device_type, enabled=False)

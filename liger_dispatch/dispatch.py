@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import autocast, discovery, selection, torch_ops, vocab_parallel
+from liger_dispatch import autocast, check_cache, discovery, selection, torch_ops, vocab_parallel
 from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
@@ -40,19 +40,24 @@ class OpHandle:
         self._backend_arg = ",".join(self.pinned) or None
         self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # a DTensor weight: its local slices
 
-    def _bound(self, args: tuple, kwargs: dict):
+    def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
         a = self._spec.schema.bind(args, kwargs)
         if self._spec.autocast and autocast.active(self._spec, a):
             a, args, kwargs = autocast.cast(self._spec, a)
-        self._spec.check(a)
+        if tracing:  # fake tensors, maybe symbolic sizes: the check is traced, not memoized
+            self._spec.check(a)
+        else:
+            check_cache.check(self._spec, a)
         return a, args, kwargs
 
     def __call__(self, *args, **kwargs):
-        a, args, kwargs = self._bound(args, kwargs)
         if torch.compiler.is_compiling():
-            return torch_ops.call(self._spec, self._backend_arg, a)
+            return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs, tracing=True)[0])
+        a, args, kwargs = self._bound(args, kwargs)
         if self._vocab_parallel:
             a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
+        if not autocast.enabled():
+            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
         with autocast.disabled(a):
             return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
 

@@ -179,6 +179,9 @@ def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     """The implementation that serves this call (warning or raising on fallback)."""
     res = _resolution(op, pinned, args, kwargs)
+    first = res.chain[0] if res.chain else None
+    if first is not None and first.capability.predicate is None and not _is_fallback(res, first, ()):
+        return first  # the usual call: the first capable implementation has no per-call predicate to ask
     late: list[Rejection] = []
     chosen = None
     for impl, reason in _judged(res.chain, args, kwargs):

@@ -41,7 +41,8 @@ def _row_losses(a: Args) -> bool:
 def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
     if not torch.is_grad_enabled():
         return ()
-    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (getattr(a, n) for n in spec.differentiable))
+    values = a.__dict__
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in map(values.__getitem__, spec.differentiable))
 
 
 # -- eager ----------------------------------------------------------------------------------------------------------
@@ -103,9 +104,9 @@ def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dic
         if not any(need):
             return fn(*positional, **options)[:3]
         return _WithBackward.apply(fn, options, *positional)
-    tensors = [getattr(a, n) for n in spec.differentiable]
     if not any(need):
         return fn(*args, **kwargs)[0]
+    tensors = [getattr(a, n) for n in spec.differentiable]
     if _row_losses(a):
         def backward(grad_rows, needs):
             summed = {**kwargs, "reduction": "sum"}

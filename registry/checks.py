@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from liger_dispatch.errors import InputError
-from liger_dispatch.selection import getenv
+from liger_dispatch.registry.device_labels import assert_class_indices
+from liger_dispatch import settings
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -81,14 +82,13 @@ def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int
     """Every entry in [0, vocab) or equal to ignore_index.
 
     On an accelerator the check is a device-side assert (as torch's own cross-entropy does it): no host sync, a
-    bad label stops the device with this message. LIGER_CHECKS=full checks on the host instead, with a Python error.
+    bad label stops the device with a message (device_labels.py). LIGER_CHECKS=full checks on the host instead,
+    with a Python error.
     """
     if target.numel() == 0:
         return
-    if target.device.type != "cpu" and getenv("LIGER_CHECKS") != "full":
-        valid = (target == ignore_index) | ((target >= 0) & (target < vocab))
-        torch._assert_async(valid.all(), f"{name} holds a class index outside [0, {vocab}) that is not ignore_index "
-                                         f"({ignore_index}); LIGER_CHECKS=full names it")
+    if target.device.type != "cpu" and settings.CHECKS.get() != "full":
+        assert_class_indices(name, target, vocab, ignore_index)
         return
     low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())
     if low < 0 or high >= vocab:

@@ -55,3 +55,12 @@ def test_strict_false_is_off(monkeypatch):
     monkeypatch.setenv("LIGER_STRICT", "True")
     with pytest.raises(BackendUnavailableError, match="LIGER_STRICT is set"):
         dispatch.op("flce")(x, w, y)
+
+
+def test_liger_checks_takes_device_or_full(monkeypatch):
+    for raw, value in (("full", "full"), ("FULL", "full"), ("device", "device")):
+        monkeypatch.setenv("LIGER_CHECKS", raw)
+        assert settings.CHECKS.get() == value
+    monkeypatch.setenv("LIGER_CHECKS", "paranoid")
+    with pytest.raises(ConfigError, match="LIGER_CHECKS.*device .default. or full"):
+        settings.CHECKS.get()

@@ -207,12 +207,18 @@ def _check_direct_launch():
             return a.dtype, a.shape, a.stride(), a.data_ptr() % 16
         return a
 
+    def same_argument(direct, through_triton):
+        """A direct launch passes a tensor as its address (an int): the alignment Triton specialized on must hold."""
+        if isinstance(through_triton, torch.Tensor) and type(direct) is int:
+            return direct % 16 == through_triton.data_ptr() % 16
+        return layout(direct) == layout(through_triton)
+
     def call(args, grads, hc, fwd_config, bwd_config):
         launches.clear()
         with launch(fwd_config, bwd_config):
             outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, **OPTIONS)
             mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, **OPTIONS)
-        return [(kernel, a[:6], [layout(v) for v in a[9:]], a[6:9]) for kernel, a in launches]
+        return [(kernel, a[:6], list(a[9:]), a[6:9]) for kernel, a in launches]
 
     misaligned = torch.zeros(2)[1]  # 4 bytes into its buffer
     cases = [  # (inputs, upstream gradients present, fwd config, bwd config, arguments changed after the first call)
@@ -235,8 +241,11 @@ def _check_direct_launch():
         mhc._FAST_LAUNCH = True
         assert len(direct) == len(through_triton) == (5 if fwd_config else 4), shape
         for d, t in zip(direct, through_triton):
-            assert d[:3] == t[:3], (shape, d, t)
+            assert d[:2] == t[:2], (shape, d, t)  # the same compiled kernel (specialization), grid and stream
+            assert len(d[2]) == len(t[2]) and all(map(same_argument, d[2], t[2])), (shape, d, t)
             assert (d[3] == (None, None, None)) == (not changed), d[3]  # direct: no launch hooks
+            if changed:  # through Triton's launch both times: tensors
+                assert [layout(v) for v in d[2]] == [layout(v) for v in t[2]], (shape, d, t)
 
 
 # ---------------------------------------------------------------- GPU, real shapes

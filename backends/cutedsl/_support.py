@@ -11,7 +11,6 @@ the same), which is what the CPU tests check. LIGER_CUTEDSL_DUMP_DIR=<dir> keeps
 there (and on `compiled.artifacts`) for inspection.
 """
 
-import functools
 import importlib.util
 
 import torch
@@ -20,6 +19,8 @@ import cutlass
 import cutlass.cute as cute
 
 from liger_dispatch import Capability, settings
+
+from .._host import compile_cache
 
 PRIORITY = 10
 ARCH = "sm_90a"
@@ -142,6 +143,4 @@ def per_row(t):
     return None if t is None else t.contiguous()
 
 
-def cache(fn):
-    """Compile cache: one compiled kernel per distinct hashable key, for the life of the process."""
-    return functools.lru_cache(maxsize=None)(fn)
+cache = compile_cache()  # one compiled kernel per distinct key (dtypes, vector width, launch shape, flags)

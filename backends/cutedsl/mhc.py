@@ -25,7 +25,6 @@ Registered after Triton and before Helion: on the H200 Triton's kernels are stil
 shapes (benchmarks/NOTES.md), so auto mode picks these only where Triton cannot serve (hc = 3, say).
 """
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
+from .._host import contiguous, sm_count
 from .._launch import LaunchKnobs
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from . import _row
@@ -495,11 +495,6 @@ def _reduce(phi_dtype, n):
                                    _vector(n + 3), 0))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def forward_splits(M, K, vec, n_sms, warps_per_sm):
     """K splits of the forward: as many as keep the warps within warps_per_sm an SM, 4 k-blocks a split at least."""
     warps = cdiv(M, MMA_ROWS)
@@ -536,7 +531,7 @@ def _operands(x, phi, b):
     """x with unit column stride and 2-element aligned rows (any row stride), phi and b contiguous."""
     if x.stride(1) != 1 or pick_vec(x.shape[1], x) < 2:
         x = x.clone(memory_format=torch.contiguous_format)
-    return x, phi.contiguous(), b.contiguous()
+    return x, *contiguous(phi, b)
 
 
 def _alphas(*alphas):
@@ -556,7 +551,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     phi_t = phi.t().contiguous()
     align = pick_vec(K, x, phi_t)
     cols = forward_cols(K, align, launch.cols)
-    splits = forward_splits(M, K, cols, _num_sms(dev), launch.warps_per_sm)
+    splits = forward_splits(M, K, cols, sm_count(dev), launch.warps_per_sm)
     blocks_per_split = cdiv(cdiv(K, 4 * cols), splits)
     ws = torch.empty(splits * M, n + 1, device=dev, dtype=_F32)
     _mix_partials(x.dtype, phi.dtype, n, cols, align, launch.unroll)(x, phi_t, ws, blocks_per_split, splits)
@@ -567,7 +562,14 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
 
 
 def _grad(g, shape):
-    return None if g is None else g.to(_F32).reshape(shape).contiguous()
+    """An upstream gradient as the producer takes it: fp32, [M, width], contiguous; no op when it already is."""
+    if g is None:
+        return None
+    if g.dtype != _F32:
+        g = g.to(_F32)
+    if g.shape != shape:
+        g = g.reshape(shape)
+    return g if g.is_contiguous() else g.contiguous()
 
 
 @register_backend("mhc_coeff_bwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
@@ -585,11 +587,11 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     coef = torch.empty(M, device=dev, dtype=_F32)
     part = torch.empty(cdiv(M, PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
     _coefficient_backward(hc, tmax, *(g is not None for g in grads))(
-        mix.contiguous(), rstd.contiguous(), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
+        *contiguous(mix, rstd), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
         float(sinkhorn_eps), float(post_mult))
 
     vec = matmul_vec(K, n, launch.max_vec, x, grad_x)
-    groups, rows_per_group = matmul_groups(M, K, vec, _num_sms(dev), launch.warps_per_sm)
+    groups, rows_per_group = matmul_groups(M, K, vec, sm_count(dev), launch.warps_per_sm)
     ws = torch.empty(groups * K, n, device=dev, dtype=_F32)
     _matmul_backward(x.dtype, phi.dtype, n, vec, launch.unroll)(x, phi, gz, coef, grad_x, ws, rows_per_group, groups)
     _reduce(phi.dtype, n)(ws.view(-1), grad_phi.view(-1), part, grad_b_alpha, groups)
