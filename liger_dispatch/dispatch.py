@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import autocast, check_cache, discovery, selection, torch_ops
+from liger_dispatch import autocast, check_cache, discovery, selection, torch_ops, vocab_parallel
 from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
@@ -31,13 +31,14 @@ class OpHandle:
     schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
     torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_spec", "_backend_arg")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
         self.pinned = selection.parse_backends(backend)
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
+        self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # a DTensor weight: its local slices
 
     def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
         a = self._spec.schema.bind(args, kwargs)
@@ -53,6 +54,8 @@ class OpHandle:
         if torch.compiler.is_compiling():
             return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs, tracing=True)[0])
         a, args, kwargs = self._bound(args, kwargs)
+        if self._vocab_parallel:
+            a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
         if not autocast.enabled():
             return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
         with autocast.disabled(a):

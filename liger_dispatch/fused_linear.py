@@ -9,6 +9,13 @@ The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
 launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). With LIGER_CHUNK_OVERLAP on,
 each chunk's loss kernel runs on a second CUDA stream, in two parts, overlapping the GEMMs (loss_stream.py).
+
+Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
+kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
+rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
+for every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take
+`process_group` because the op's schema has it; the dispatcher sends a call that sets it to the vocab-parallel
+driver, which builds them with the shard.
 """
 
 from __future__ import annotations
@@ -77,19 +84,23 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
-               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None):
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
     row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
     if x.dtype == torch.float16 and n > 0:
-        kernel_scale, unscale = grad_bounds.split_scale(grad_scale, row_bound(), weight)
+        bound = row_bound() if vocab_parallel is None else vocab_parallel.bound_over_ranks(row_bound, x, vocab)
+        if vocab:  # an empty vocabulary slice (vocab-parallel) writes no gradient
+            kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
     if unscale is not None:
         accum_dtype = torch.float32
-    rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
+    widest = vocab if vocab_parallel is None else vocab_parallel.widest
+    rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
@@ -125,6 +136,8 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         for grad in (dx, db):
             if grad is not None:
                 grad.mul_(unscale)
+    if dx is not None and vocab_parallel is not None:
+        vocab_parallel.sum_over_ranks(dx)
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
@@ -154,12 +167,14 @@ def _wanted(need_grads, count: int) -> list[bool]:
     return ([bool(w) for w in need_grads] + [False] * count)[:count]
 
 
-def compose_flce(kernel: Callable) -> Callable:
-    """flce from a backend's ce_loss_and_grad: (loss, grad_input, grad_weight, grad_bias), the gradients of
-    the ones `need_grads` asks for (else None); with row_weights, the loss is sum_i w_i loss_i."""
+def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
+    """flce from a backend's ce_loss_and_grad (or its vocab-parallel stand-in, with the shard): (loss, grad_input,
+    grad_weight, grad_bias), the gradients of the ones `need_grads` asks for (else None); with row_weights, the
+    loss is sum_i w_i loss_i."""
 
     def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-             softcap=None, lse_square_scale=0.0, accum_dtype=None, need_grads=(), row_weights=None):
+             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
+             row_weights=None):
         want_dx, want_dw, want_db = _wanted(need_grads, 3)
         x = _flat(input, input.shape[-1])
         labels = _flat(target).long()
@@ -173,7 +188,7 @@ def compose_flce(kernel: Callable) -> Callable:
             scale = torch.ones((), device=x.device)
         rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
                                       want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype,
-                                      row_bound=_ce_bound(x, weight, bias, options))
+                                      row_bound=_ce_bound(x, weight, bias, options), vocab_parallel=vocab_parallel)
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
         else:
@@ -184,12 +199,12 @@ def compose_flce(kernel: Callable) -> Callable:
     return flce
 
 
-def compose_jsd(kernel: Callable) -> Callable:
+def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
 
     def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                          jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                         accum_dtype=None, need_grads=()):
+                         accum_dtype=None, process_group=None, need_grads=()):
         want_dx, want_dw = _wanted(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
         xt = _flat(teacher_input, teacher_input.shape[-1])
@@ -212,18 +227,19 @@ def compose_jsd(kernel: Callable) -> Callable:
                                      extra_bytes_per_logit=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
                                      want_db=False, accum_dtype=accum_dtype,
                                      row_bound=lambda: grad_bounds.jsd(xt, teacher_weight, beta=jsd_beta,
-                                                                       temperature=temperature))
+                                                                       temperature=temperature),
+                                     vocab_parallel=vocab_parallel)
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
 
 
-def compose_kl_div(kernel: Callable) -> Callable:
+def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
 
     def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
                             ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
-                            need_grads=()):
+                            process_group=None, need_grads=()):
         want_dx, want_dw = _wanted(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
         vocab = student_weight.shape[0]
@@ -235,7 +251,8 @@ def compose_kl_div(kernel: Callable) -> Callable:
             scale = torch.ones((), device=x.device)
         else:
             count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-            scale = 1.0 / (count * vocab if reduction == "mean" else count)
+            total = vocab if vocab_parallel is None else vocab_parallel.total
+            scale = 1.0 / (count * total if reduction == "mean" else count)
 
         def chunk_loss(logits, start, end, chunk_scale):
             chunk_labels = None if labels is None else labels[start:end]
@@ -245,7 +262,8 @@ def compose_kl_div(kernel: Callable) -> Callable:
         rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
                                      want_db=False, accum_dtype=accum_dtype,
                                      row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
-                                                                          log_target=log_target))
+                                                                          log_target=log_target),
+                                     vocab_parallel=vocab_parallel)
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div

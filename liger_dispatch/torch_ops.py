@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch import grad_scale, selection
+from liger_dispatch import grad_scale, selection, vocab_parallel
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
 
@@ -97,6 +97,7 @@ def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dic
     fn = impl.fn
     if spec.level == "kernel":
         return fn(*args, **kwargs)
+    fn = vocab_parallel.serving(impl, a)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
         positional, options = spec.schema.call_args(a)
@@ -193,7 +194,7 @@ def _define_loss(spec: OpSpec) -> None:
     def impl(*args, **kwargs):
         a, pinned, extra = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
-        fn = selection.select(spec.name, pinned, positional, options).fn
+        fn = vocab_parallel.serving(selection.select(spec.name, pinned, positional, options), a)
         if spec.value_check is not None:
             spec.value_check(a)
         loss, *grads = fn(*positional, **options, **extra)
@@ -321,6 +322,8 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
         return op(*positional, **options, backend=backend)
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
+        if options.get("process_group") is not None:  # the op takes a group by its name
+            options["process_group"] = vocab_parallel.group_name(options["process_group"])
         return op(*positional, **options, need_grads=need, backend=backend)[0]
     return op(*positional, **options, backend=backend)[:3]
 

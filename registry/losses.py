@@ -131,8 +131,10 @@ def check_kl_div_loss_and_grad(a):
 
 
 def flce_classes(a):
-    """The class-index check of flce's target: it needs the values, so it runs where the op runs."""
-    c.class_indices("target", a.target, a.weight.shape[0], a.ignore_index)
+    """The class-index check of flce's target: it needs the values, so it runs where the op runs. With a
+    process_group the weight is a slice: the vocab-parallel driver checks against the whole vocabulary."""
+    if a.process_group is None:
+        c.class_indices("target", a.target, a.weight.shape[0], a.ignore_index)
 
 
 def ce_classes(a):
@@ -186,6 +188,8 @@ def fake_flce(a):
     return a.input.new_empty(shape, dtype=torch.float32)
 
 
+# process_group (vocab-parallel, liger_dispatch/vocab_parallel.py): the weight is this rank's slice of the
+# vocabulary. Eager calls pass a torch.distributed ProcessGroup; the torch op's argument is its group name.
 # What the implementations of a fused-linear loss take beyond its schema: which of the op's `differentiable`
 # tensors need their gradient (computed in the forward pass), and for flce per-row weights of the loss (the
 # backward of reduction="none" is the gradient of sum_i w_i loss_i).
@@ -201,15 +205,15 @@ KL_SCHEMA = ("kl_div_loss_and_grad(Tensor(a!) student_logits, Tensor target, Ten
              "Tensor? grad_scale=None) -> Tensor")
 FLCE_SCHEMA = ("flce(Tensor input, Tensor weight, Tensor target, Tensor? bias=None, *, int ignore_index=-100, "
                "str reduction='mean', float label_smoothing=0.0, float? softcap=None, float lse_square_scale=0.0, "
-               "ScalarType? accum_dtype=None) -> Tensor")
+               "ScalarType? accum_dtype=None, str? process_group=None) -> Tensor")
 FL_JSD_SCHEMA = ("fused_linear_jsd(Tensor student_input, Tensor student_weight, Tensor teacher_input, "
                  "Tensor teacher_weight, Tensor? shift_labels=None, *, float jsd_beta=0.5, int ignore_index=-100, "
-                 "float temperature=1.0, bool scale_by_temperature_squared=False, ScalarType? accum_dtype=None) "
-                 "-> Tensor")
+                 "float temperature=1.0, bool scale_by_temperature_squared=False, ScalarType? accum_dtype=None, "
+                 "str? process_group=None) -> Tensor")
 FL_KL_SCHEMA = ("fused_linear_kl_div(Tensor student_input, Tensor student_weight, Tensor target, "
                 "Tensor? shift_labels=None, *, str reduction='batchmean', int ignore_index=-100, "
-                "float temperature=1.0, float eps=1e-10, bool log_target=False, ScalarType? accum_dtype=None) "
-                "-> Tensor")
+                "float temperature=1.0, float eps=1e-10, bool log_target=False, ScalarType? accum_dtype=None, "
+                "str? process_group=None) -> Tensor")
 
 
 def declare() -> None:

@@ -11,7 +11,7 @@ import torch
 
 import liger_dispatch as ld
 from liger_dispatch import dispatch
-from kernel_checks import assert_rel_close
+from kernel_checks import FLCE_CASES, assert_rel_close
 from liger_dispatch.backends.reference import formulas
 
 ON_GPU = torch.cuda.is_available()
@@ -96,15 +96,6 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 N, H, V = (512, 256, 4099) if ON_GPU else (7, 16, 131)
 pytestmark = [pytest.mark.gpu] if ON_GPU else []  # on a GPU host: `pytest -m gpu` runs this suite at real shapes
-
-FLCE_CASES = {
-    "mean": dict(),
-    "sum": dict(reduction="sum"),
-    "none": dict(reduction="none"),
-    "smoothing": dict(label_smoothing=0.1),
-    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
-    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
-}
 
 
 @pytest.mark.parametrize("case", list(FLCE_CASES))

@@ -148,10 +148,16 @@ def load_pair(S, T, start, cols, n_cols: tl.constexpr, to_log2, POLICY: tl.const
 
 
 @triton.jit
-def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
-    """An ignored row: gradient 0 over the whole row, loss 0."""
+def zero_cols(X, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    """An ignored row's gradient: 0 over the whole row X."""
     cols = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], X.dtype.element_ty)
     for start in range(0, n_cols, BLOCK):
         tl.store(X + start + cols, zeros, mask=start + cols < n_cols)
+
+
+@triton.jit
+def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    """An ignored row: gradient 0 over the whole row, loss 0."""
+    zero_cols(X, n_cols, BLOCK)
     tl.store(LOSS + row, 0.0)

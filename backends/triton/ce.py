@@ -14,6 +14,45 @@ from ._support import (
 
 
 @triton.jit
+def ce_row_stats(X, cols, softcap, inv_softcap, V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SUM: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Pass 1 over a row X of V logits, forward in blocks of cols = arange(BLOCK): (lse2 = log2 sum_j exp2(z_j log2 e),
+    the per-lane sums of z when HAS_SUM), z softcapped when HAS_SOFTCAP. Running max and per-lane sums of exp2."""
+    m = -float("inf")
+    d = tl.zeros([BLOCK], tl.float32)
+    z_sum = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        z, mask = load_block(X, start, cols, V, "evict_last")
+        if HAS_SOFTCAP:
+            z = softcap * tanh(z * inv_softcap)
+        m, alpha, e = online_softmax_step(m, tl.where(mask, z * LOG2E, -float("inf")))
+        d = d * alpha + e
+        if HAS_SUM:
+            z_sum += z  # masked lanes hold 0 (tanh(0) = 0 too)
+    return m + tl.log2(tl.sum(d, 0)), z_sum
+
+
+@triton.jit
+def ce_row_grad(X, cols, y_col, lse2, p_coef, uniform, on_target, softcap, inv_softcap, V: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Pass 2 over a row X of V logits, backward (it begins on the blocks pass 1 left in L2), overwritten with
+    (p_coef softmax_j - uniform - on_target [j == y_col]) dz_j/dX_j, softmax_j = exp2(z_j log2 e - lse2). y_col is
+    an int32 column (outside [0, V): no target in this row)."""
+    for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+        start = block_start(i, V, BLOCK, True)
+        x, mask = load_block(X, start, cols, V, "evict_first")
+        if HAS_SOFTCAP:
+            t = tanh(x * inv_softcap)
+            z = softcap * t
+        else:
+            z = x
+        g = p_coef * tl.exp2(z * LOG2E - lse2) - uniform - tl.where(start + cols == y_col, on_target, 0.0)
+        if HAS_SOFTCAP:
+            g *= 1.0 - t * t
+        tl.store(X + start + cols, g.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_kernel(
     X, x_stride,  # [C, V] logits, overwritten by the gradient
     Y, y_stride,  # [C] int target classes, ignore_index for a skipped row
@@ -35,18 +74,7 @@ def _ce_kernel(
     z_y = tl.load(X + y).to(tl.float32)
     if HAS_SOFTCAP:
         z_y = softcap * tanh(z_y * inv_softcap)
-    m = -float("inf")
-    d = tl.zeros([BLOCK], tl.float32)
-    z_sum = tl.zeros([BLOCK], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        z, mask = load_block(X, start, cols, V, "evict_last")
-        if HAS_SOFTCAP:
-            z = softcap * tanh(z * inv_softcap)
-        m, alpha, e = online_softmax_step(m, tl.where(mask, z * LOG2E, -float("inf")))
-        d = d * alpha + e
-        if HAS_SMOOTHING:
-            z_sum += z  # masked lanes hold 0 (tanh(0) = 0 too)
-    lse2 = m + tl.log2(tl.sum(d, 0))
+    lse2, z_sum = ce_row_stats(X, cols, softcap, inv_softcap, V, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK, NUM_STAGES)
     lse = lse2 * LN2
 
     loss = lse - (1.0 - smoothing) * z_y + lse_square_scale * lse * lse
@@ -60,18 +88,8 @@ def _ce_kernel(
     uniform = scale * smoothing / V
     on_target = scale * (1.0 - smoothing)
     y_col = y.to(tl.int32)  # compared with int32 column offsets
-    for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
-        start = block_start(i, V, BLOCK, True)  # backward: begins on the blocks pass 1 left in L2
-        x, mask = load_block(X, start, cols, V, "evict_first")
-        if HAS_SOFTCAP:
-            t = tanh(x * inv_softcap)
-            z = softcap * t
-        else:
-            z = x
-        g = p_coef * tl.exp2(z * LOG2E - lse2) - uniform - tl.where(start + cols == y_col, on_target, 0.0)
-        if HAS_SOFTCAP:
-            g *= 1.0 - t * t
-        tl.store(X + start + cols, g.to(X.dtype.element_ty), mask=mask)
+    ce_row_grad(X, cols, y_col, lse2, p_coef, uniform, on_target, softcap, inv_softcap, V, HAS_SOFTCAP, BLOCK,
+                NUM_STAGES)
 
 
 LAUNCH = LaunchKnobs("triton ce_loss_and_grad", RowLaunch())

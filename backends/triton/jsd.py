@@ -29,6 +29,96 @@ FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr
 
 
 @triton.jit
+def jsd_row_stats(S, T, cols, to_log2, MODE: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):
+    """Pass 1, forward, over the student row S and the teacher row T in blocks of cols = arange(BLOCK), base 2
+    (s2 = S * to_log2, t2 likewise): (lse_s, lse_t, sum_s, sum_t, acc), sum_* = exp2(lse_* - running max), and acc
+    the per-lane sum_j exp2(t2_j - m_t) (t2_j - s2_j) for FORWARD_KL (s and t swapped for REVERSE_KL; 0 for MIXTURE)."""
+    m_s = -float("inf")
+    m_t = -float("inf")
+    d_s = tl.zeros([BLOCK], tl.float32)
+    d_t = tl.zeros([BLOCK], tl.float32)
+    # FORWARD_KL: sum_j exp2(t2_j - m_t) (t2_j - s2_j); REVERSE_KL: the same with s and t swapped.
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
+        m_s, alpha_s, e_s = online_softmax_step(m_s, tl.where(mask, s2, -float("inf")))
+        m_t, alpha_t, e_t = online_softmax_step(m_t, tl.where(mask, t2, -float("inf")))
+        d_s = d_s * alpha_s + e_s
+        d_t = d_t * alpha_t + e_t
+        # masked lanes: e = 0 times (0 - 0)
+        if MODE == FORWARD_KL:
+            acc = acc * alpha_t + e_t * (t2 - s2)
+        elif MODE == REVERSE_KL:
+            acc = acc * alpha_s + e_s * (s2 - t2)
+    sum_s = tl.sum(d_s, 0)
+    sum_t = tl.sum(d_t, 0)
+    return m_s + tl.log2(sum_s), m_t + tl.log2(sum_t), sum_s, sum_t, acc
+
+
+@triton.jit
+def jsd_row_sums(S, T, cols, lse_s, lse_t, beta, to_log2, MODE: tl.constexpr, V: tl.constexpr, BLOCK: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    """A backward pass: per-lane sums (loss, cross) of a row in base 2 from its base-2 log-sum-exps, element by
+    element: FORWARD_KL p_k (lt2_k - ls2_k) and 0; REVERSE_KL q_k (ls2_k - lt2_k) and 0; MIXTURE
+    beta p_k (lt2_k - lm2_k) + (1 - beta) q_k (ls2_k - lm2_k) and q_k (ls2_k - lm2_k)."""
+    loss = tl.zeros([BLOCK], tl.float32)
+    cross = tl.zeros([BLOCK], tl.float32)
+    for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+        start = block_start(i, V, BLOCK, True)
+        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
+        ls2 = s2 - lse_s
+        lt2 = t2 - lse_t
+        if MODE == FORWARD_KL:
+            loss += tl.where(mask, tl.exp2(lt2) * (lt2 - ls2), 0.0)
+        elif MODE == REVERSE_KL:
+            loss += tl.where(mask, tl.exp2(ls2) * (ls2 - lt2), 0.0)
+        else:
+            q = tl.exp2(ls2)
+            p = tl.exp2(lt2)
+            # m == 0 only where p and q both underflow: then both terms are 0 * finite
+            lm2 = log2(tl.maximum(beta * p + (1.0 - beta) * q, FLT_MIN))
+            q_term = tl.where(mask, q * (ls2 - lm2), 0.0)
+            loss += beta * tl.where(mask, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
+            cross += q_term
+    return loss, cross
+
+
+@triton.jit
+def _jsd_grad_block(S, T, start, cols, lse_s, lse_t, cross2, shift, scale, g_mult, beta, to_log2, MODE: tl.constexpr,
+                    V: tl.constexpr):
+    """One block of jsd_row_grad."""
+    s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
+    if MODE == FORWARD_KL:
+        g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
+    elif MODE == REVERSE_KL:
+        g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
+    else:
+        ls2 = s2 - lse_s
+        q = tl.exp2(ls2)
+        lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))
+        g = g_mult * q * (ls2 - lm2 - cross2)
+    tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def jsd_row_grad(S, T, cols, lse_s, lse_t, cross2, scale, beta, to_log2, MODE: tl.constexpr, V: tl.constexpr,
+                 BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, BACKWARD: tl.constexpr):
+    """The student row S overwritten with scale * dL/ds, walked backward or forward, from the row's base-2
+    statistics; cross2 is KL2(q||p) for REVERSE_KL, sum_k q_k (ls2_k - lm2_k) for MIXTURE (unused for FORWARD_KL):
+    FORWARD_KL q - p; REVERSE_KL q ln2 (ls2 - lt2 - cross2); MIXTURE (1 - beta) q ln2 (ls2 - lm2 - cross2)."""
+    shift = lse_s - lse_t + cross2
+    g_mult = scale * (1.0 - beta) * LN2
+    if BACKWARD:
+        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+            _jsd_grad_block(S, T, block_start(i, V, BLOCK, True), cols, lse_s, lse_t, cross2, shift, scale, g_mult,
+                            beta, to_log2, MODE, V)
+    else:
+        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+            _jsd_grad_block(S, T, start, cols, lse_s, lse_t, cross2, shift, scale, g_mult, beta, to_log2, MODE, V)
+
+
+@triton.jit
 def _jsd_kernel(
     S, s_stride,  # [C, V] student logits, overwritten by the gradient
     T, t_stride,  # [C, V] teacher logits, only read
@@ -49,74 +139,25 @@ def _jsd_kernel(
     # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
     # Pass 1 walks the row forward, the next pass backward, a third forward again (block_start).
     cols = tl.arange(0, BLOCK)
-    m_s = -float("inf")
-    m_t = -float("inf")
-    d_s = tl.zeros([BLOCK], tl.float32)
-    d_t = tl.zeros([BLOCK], tl.float32)
-    # FORWARD_KL: sum_j exp2(t2_j - m_t) (t2_j - s2_j); REVERSE_KL: the same with s and t swapped.
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-        s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
-        m_s, alpha_s, e_s = online_softmax_step(m_s, tl.where(mask, s2, -float("inf")))
-        m_t, alpha_t, e_t = online_softmax_step(m_t, tl.where(mask, t2, -float("inf")))
-        d_s = d_s * alpha_s + e_s
-        d_t = d_t * alpha_t + e_t
-        # masked lanes: e = 0 times (0 - 0)
-        if MODE == FORWARD_KL:
-            acc = acc * alpha_t + e_t * (t2 - s2)
-        elif MODE == REVERSE_KL:
-            acc = acc * alpha_s + e_s * (s2 - t2)
-    sum_s = tl.sum(d_s, 0)
-    sum_t = tl.sum(d_t, 0)
-    lse_s = m_s + tl.log2(sum_s)
-    lse_t = m_t + tl.log2(sum_t)
+    lse_s, lse_t, sum_s, sum_t, acc = jsd_row_stats(S, T, cols, to_log2, MODE, V, BLOCK, NUM_STAGES)
 
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE) * grad_mult
     if MODE == FORWARD_KL:
         # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
         tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
-        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
-            start = block_start(i, V, BLOCK, True)
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
-            g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+        jsd_row_grad(S, T, cols, lse_s, lse_t, 0.0, scale, beta, to_log2, MODE, V, BLOCK, NUM_STAGES, True)
     elif MODE == REVERSE_KL:
         # KL(q||p) = E_q[s2 - t2] - lse_s + lse_t = sum_k q_k (ls2_k - lt2_k); dL/ds_j = q_j ln2 (ls2_j - lt2_j - KL2)
         kl2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
         tl.store(LOSS + row, kl2 * LN2)
-        shift = lse_s - lse_t + kl2
-        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
-            start = block_start(i, V, BLOCK, True)
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
-            g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+        jsd_row_grad(S, T, cols, lse_s, lse_t, kl2, scale, beta, to_log2, MODE, V, BLOCK, NUM_STAGES, True)
     else:
         # loss = beta KL(p||m) + (1 - beta) KL(q||m);
         # dL/ds_j = (1 - beta) q_j ln2 ((ls2_j - lm2_j) - sum_k q_k (ls2_k - lm2_k))
-        loss = tl.zeros([BLOCK], tl.float32)
-        cross = tl.zeros([BLOCK], tl.float32)
-        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
-            start = block_start(i, V, BLOCK, True)
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
-            ls2 = s2 - lse_s
-            lt2 = t2 - lse_t
-            q = tl.exp2(ls2)
-            p = tl.exp2(lt2)
-            # m == 0 only where p and q both underflow: then both terms are 0 * finite
-            lm2 = log2(tl.maximum(beta * p + (1.0 - beta) * q, FLT_MIN))
-            q_term = tl.where(mask, q * (ls2 - lm2), 0.0)
-            loss += beta * tl.where(mask, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
-            cross += q_term
+        loss, cross = jsd_row_sums(S, T, cols, lse_s, lse_t, beta, to_log2, MODE, V, BLOCK, NUM_STAGES)
         tl.store(LOSS + row, tl.sum(loss, 0) * LN2)
-        cross2 = tl.sum(cross, 0)
-        g_mult = scale * (1.0 - beta) * LN2
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-            s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
-            ls2 = s2 - lse_s
-            q = tl.exp2(ls2)
-            lm2 = log2(tl.maximum(beta * tl.exp2(t2 - lse_t) + (1.0 - beta) * q, FLT_MIN))
-            g = g_mult * q * (ls2 - lm2 - cross2)
-            tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
+        jsd_row_grad(S, T, cols, lse_s, lse_t, tl.sum(cross, 0), scale, beta, to_log2, MODE, V, BLOCK, NUM_STAGES,
+                     False)
 
 
 LAUNCH = LaunchKnobs("triton jsd_loss_and_grad", RowLaunch())
