@@ -210,7 +210,6 @@ def _define_loss(spec: OpSpec) -> None:
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         ctx.rows = keyword_only_inputs.get("reduction") == "none" and "row_weights" in spec.extra.names
-        ctx.positional = len(inputs)
         if ctx.rows:
             ctx.inputs, ctx.keywords = inputs, keyword_only_inputs
         else:
@@ -218,7 +217,9 @@ def _define_loss(spec: OpSpec) -> None:
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grad_loss, *_):
-        need = [ctx.needs_input_grad[i] for i in where]
+        # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
+        passed = len(ctx.needs_input_grad)
+        need = [i < passed and ctx.needs_input_grad[i] for i in where]
         if ctx.rows:
             keywords = {**ctx.keywords, "reduction": "sum", "need_grads": need}
             own = ctx.inputs[: len(spec.schema.positional)]
@@ -226,9 +227,10 @@ def _define_loss(spec: OpSpec) -> None:
         else:
             # out of place: a traced backward may not change what the forward saved
             grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
-        result = [None] * ctx.positional
+        result = [None] * passed
         for i, g, w in zip(where, grads, need):
-            result[i] = g if w else None
+            if w:
+                result[i] = g
         return tuple(result)
 
     returns = "(" + ", ".join(["Tensor"] * (count + 1)) + ")"

@@ -144,6 +144,12 @@ def test_compile_fullgraph_losses(op, backend):
     compiled_equals_eager(lambda *a: handle(*a, **LOSSES[op]), loss_inputs(op))
 
 
+def test_compile_fullgraph_flce_without_bias():
+    """bias left out: the dispatcher drops the trailing default, and the backward still finds its inputs."""
+    handle = dispatch.op("flce", backend="reference")
+    compiled_equals_eager(lambda *a: handle(*a), loss_inputs("flce")[:3])
+
+
 def test_compile_fullgraph_flce_per_row():
     handle = dispatch.op("flce", backend="reference")
     compiled_equals_eager(lambda *a: handle(*a, reduction="none"), loss_inputs("flce"))
