@@ -43,3 +43,16 @@ def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
     merged = report.read_csv(out / "cpu.csv")
     assert len(merged) == len(rows) + 1
     assert [r["ms"] for r in merged if r == remeasured] == ["1.5"]
+
+
+def test_host_cost_runs_on_the_cpu(tmp_path):
+    """benchmarks.host_cost end to end at its quick shapes: a row per loss op and provider, and mHC's rows."""
+    out = tmp_path / "host_cost.md"
+    command = [sys.executable, "-m", "benchmarks.host_cost", "--device", "cpu", "--quick", "--backends", "reference",
+               "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = out.read_text()
+    for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"):
+        assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
+    assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
