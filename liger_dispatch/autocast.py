@@ -17,8 +17,8 @@ from liger_dispatch.schema import Args
 _NOTHING = contextlib.nullcontext()
 
 
-def _device_type(a: Args) -> str:
-    return next(v.device.type for v in a.__dict__.values() if isinstance(v, torch.Tensor))
+def _device_type(spec, a: Args) -> str:
+    return getattr(a, spec.autocast[0]).device.type
 
 
 def enabled() -> bool:
@@ -26,14 +26,14 @@ def enabled() -> bool:
     return torch._C._is_any_autocast_enabled()
 
 
-def active(a: Args) -> bool:
-    return enabled() and torch.is_autocast_enabled(_device_type(a))
+def active(spec, a: Args) -> bool:
+    return enabled() and torch.is_autocast_enabled(_device_type(spec, a))
 
 
 def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
     """The call with its linear operands in the autocast dtype: (bound arguments, positional, keyword)."""
-    dtype = torch.get_autocast_dtype(_device_type(a))
-    values = dict(a.__dict__)
+    dtype = torch.get_autocast_dtype(_device_type(spec, a))
+    values = vars(a).copy()
     for name in spec.autocast:
         value = values[name]
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -46,4 +46,5 @@ def disabled(a: Args):
     """A context that turns autocast off for the implementation, when it is on."""
     if not enabled():
         return _NOTHING
-    return torch.autocast(_device_type(a), enabled=False)
+    device_type = next(v.device.type for v in vars(a).values() if isinstance(v, torch.Tensor))
+    return torch.autocast(device_type, enabled=False)

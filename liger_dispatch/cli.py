@@ -1,4 +1,5 @@
-"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run."""
+"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run;
+`... tune`: time the backends here and write a tuned table (liger_dispatch/tune.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from liger_dispatch import settings
+from liger_dispatch import settings, tune
 from liger_dispatch.capability import default_device, default_dtype, dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
@@ -105,6 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
     demo.add_argument("--png", type=Path, default=Path("liger-dispatch-demo.png"),
                       help="where the llama demo writes its loss curves")
+    tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
     problem = device_problem(device)
@@ -122,6 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             from liger_dispatch.demo_llama import run
 
             return run(steps=args.steps or 60, device=device, dtype=dtype, distill=args.loss, png=args.png)
+        if args.command == "tune":
+            return tune.run(args, device, dtype)
         matrix(device, dtype)
     except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -41,7 +41,7 @@ class OpHandle:
 
     def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
         a = self._spec.schema.bind(args, kwargs)
-        if self._spec.autocast and autocast.active(a):
+        if self._spec.autocast and autocast.active(self._spec, a):
             a, args, kwargs = autocast.cast(self._spec, a)
         if tracing:  # fake tensors, maybe symbolic sizes: the check is traced, not memoized
             self._spec.check(a)

@@ -7,7 +7,8 @@ for scalar reductions; reduction="none" recomputes in the backward with the per-
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
-launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
+launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). With LIGER_CHUNK_OVERLAP on,
+each chunk's loss kernel runs on a second CUDA stream, in two parts, overlapping the GEMMs (loss_stream.py).
 """
 
 from __future__ import annotations
@@ -17,21 +18,10 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import settings
+from liger_dispatch import grad_bounds, settings
+from liger_dispatch.loss_stream import LossStream
 
 ROW_ALIGN = 64
-# fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
-# (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
-# (|d loss_i / d logit| <= ~2, so the buffer stays far from fp16's 65504), and the GEMM outputs are scaled back.
-FP16_GRAD_PEAK = 4096.0
-
-
-def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
-    if dtype != torch.float16 or grad_scale.numel() == 0:
-        return grad_scale, None
-    peak = grad_scale.abs().amax().clamp_min(1e-30)
-    return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
@@ -86,14 +76,17 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
-               extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
-               accum_dtype: Optional[torch.dtype] = None):
+               row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
+    row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
-    kernel_scale, unscale = split_scale(grad_scale, x.dtype)
+    kernel_scale, unscale = grad_scale, None
+    if x.dtype == torch.float16 and n > 0:
+        kernel_scale, unscale = grad_bounds.split_scale(grad_scale, row_bound(), weight)
     if unscale is not None:
         accum_dtype = torch.float32
     rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
@@ -102,14 +95,24 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
     losses = []
+    stream = LossStream(x.device)  # the loss kernels overlap the GEMMs (loss_stream.py) where it is active
+    stream.adopt(buffer)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         logits = buffer[: end - start]
         x_c = x[start:end]
-        _linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+        parts = []
+        for part_start, part_end in stream.parts(start, end):
+            part = buffer[part_start - start: part_end - start]
+            _linear_into(x[part_start:part_end], weight, bias, part)
+            scale = kernel_scale[part_start:part_end] if kernel_scale.dim() else kernel_scale
+            part_losses, done = stream.run(chunk_loss, part, part_start, part_end, scale)
+            losses.append(part_losses)
+            parts.append((part, part_start, part_end, done))
+        for part, part_start, part_end, done in parts:
+            stream.wait(done)
+            if dx is not None:
+                torch.mm(part, weight, out=dx[part_start:part_end])
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
@@ -141,6 +144,11 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
     return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
 
 
+def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]:
+    return lambda: grad_bounds.ce(x, weight, bias, softcap=options["softcap"],
+                                  lse_square_scale=options["lse_square_scale"])
+
+
 def _wanted(need_grads, count: int) -> list[bool]:
     """need_grads as `count` flags (missing ones are False)."""
     return ([bool(w) for w in need_grads] + [False] * count)[:count]
@@ -164,7 +172,8 @@ def compose_flce(kernel: Callable) -> Callable:
         else:
             scale = torch.ones((), device=x.device)
         rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
-                                      want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype)
+                                      want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype,
+                                      row_bound=_ce_bound(x, weight, bias, options))
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
         else:
@@ -188,11 +197,11 @@ def compose_jsd(kernel: Callable) -> Callable:
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
         scale = factor / count
-        teacher = []  # one buffer, sized by the first (largest) chunk
+        teacher = []  # one buffer, sized by the first call: the largest unless chunks are cut into parts
 
         def chunk_loss(logits, start, end, chunk_scale):
-            if not teacher:
-                teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
+            if not teacher or teacher[0].shape[0] < logits.shape[0]:  # a whole chunk after another's parts
+                teacher[:] = [torch.empty(logits.shape, dtype=xt.dtype, device=xt.device)]
             t_logits = teacher[0][: end - start]
             torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
             chunk_labels = None if labels is None else labels[start:end]
@@ -201,7 +210,9 @@ def compose_jsd(kernel: Callable) -> Callable:
 
         rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
                                      extra_bytes_per_logit=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype)
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.jsd(xt, teacher_weight, beta=jsd_beta,
+                                                                       temperature=temperature))
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
@@ -232,7 +243,9 @@ def compose_kl_div(kernel: Callable) -> Callable:
                           eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
         rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype)
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
+                                                                          log_target=log_target))
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div

@@ -34,10 +34,15 @@ class Param:
 
 
 class Args:
-    """One call's arguments by name, defaults filled in: what an op's checks and probes read."""
+    """One call's arguments by name, defaults filled in: what an op's checks and probes read (a.input, ...).
+
+    Set attribute by attribute: torch.compile traces this (the checks run while it traces), and some of its
+    versions cannot follow an assignment of __dict__ or a SimpleNamespace(**values).
+    """
 
     def __init__(self, values: dict):
-        self.__dict__ = values
+        for name, value in values.items():
+            setattr(self, name, value)
 
 
 class OpSchema:
@@ -79,8 +84,8 @@ class OpSchema:
 
     def call_args(self, a: Args) -> tuple[tuple, dict]:
         """(positional, keyword) arguments that call an implementation with the bound values."""
-        values = a.__dict__
-        return tuple(values[n] for n in self.positional), {n: values[n] for n in self.names[len(self.positional):]}
+        return (tuple(getattr(a, n) for n in self.positional),
+                {n: getattr(a, n) for n in self.names[len(self.positional):]})
 
     def validate(self, fn: Callable, extra: tuple[inspect.Parameter, ...] = (), *, where: str) -> None:
         """Raise SignatureError unless fn's signature is this schema's (plus `extra` keyword-only parameters)."""

@@ -1,7 +1,8 @@
 """Which implementation serves a call: preferences, capability, fallback, memoization.
 
 Order, first source that is set wins: `backend=` on the handle; `use_backend(...)`;
-LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable).
+LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable, after the backends a tuned
+table for this device measured fastest: tuned.py).
 A requested backend that cannot serve yields to the next preference and finally to the reference,
 with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error. In auto mode the
 reference is no fallback when no other backend accepts the call's device type at all (CPU tensors on a
@@ -18,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from liger_dispatch import discovery, settings
+from liger_dispatch import discovery, settings, tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError,
                                    warn_at_caller)
@@ -111,6 +112,7 @@ class Resolution:
     chain: tuple[Impl, ...]
     rejected: tuple[Rejection, ...]
     version: int  # TABLE.version the candidates were read at, after this call's discovery
+    tuned: Optional[tuned.Entry] = None  # the measured entry that ordered an auto chain
 
 
 def _check_known(names: Sequence[str], source: str) -> None:
@@ -121,8 +123,10 @@ def _check_known(names: Sequence[str], source: str) -> None:
                 f"unknown backend '{name}' (from {source}); registered backends: {', '.join(known)}")
 
 
-def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple) -> Resolution:
-    """The memoizable part of selection: everything that depends only on the call's signature."""
+def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple,
+                   tuned_key=None) -> Resolution:
+    """The memoizable part of selection: everything that depends only on the call's signature (and, where a
+    tuned table applies, its shape bucket: tuned_key)."""
     source, requested = preference(op, pinned)
     _check_known(requested, source)
     settings.check_all()
@@ -145,22 +149,25 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
         if name not in have:
             reason = unreachable.get(name) or TABLE.unavailable_reason(op, name)
             rejected.append(Rejection(name, "", reason, name in unreachable))
+    entry = None
     if requested:
         order = [i for name in requested for i in capable if i.backend == name]
         order += [i for i in capable if i.backend == REFERENCE and i not in order]
     else:
-        order = reference_last(capable, lambda i: i.backend)
-    return Resolution(op, source, requested, tuple(order), tuple(rejected), version)
+        order, entry = tuned.measured_first(capable, tuned.choice(op, device, dtypes, tuned_key), lambda i: i.backend)
+        order = reference_last(order, lambda i: i.backend)
+    return Resolution(op, source, requested, tuple(order), tuple(rejected), version, entry)
 
 
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
     device, dtypes = call_signature(args, kwargs)
     stack = getattr(_local, "stack", None)
+    tuned_key = tuned.lookup_key(op, device, args, kwargs)
     key = (op, pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"), device, dtypes,
-           TABLE.version)
+           tuned_key, TABLE.version)
     res = _memo.get(key)
     if res is None:
-        res = resolve_static(op, pinned, device, _floating(dtypes))
+        res = resolve_static(op, pinned, device, _floating(dtypes), tuned_key)
         if len(_memo) >= _MEMO_LIMIT:
             _memo.clear()
         # stored under the version its candidates were read at: after this call's discovery, which may have
@@ -234,13 +241,15 @@ def reset() -> None:
     """Forget memoized resolutions and emitted warnings (tests, or after changing the environment)."""
     _memo.clear()
     _warned.clear()
+    tuned.reset()
 
 
 def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:
     """Which implementation would serve this call and why each other one would not; no side effects."""
     device, dtypes = call_signature(args, kwargs)
     dtypes = _floating(dtypes)
-    res = resolve_static(op, pinned, device, dtypes)
+    tuned_key = tuned.lookup_key(op, device, args, kwargs)
+    res = resolve_static(op, pinned, device, dtypes, tuned_key)
     lines = [f"op {op} on {device} ({', '.join(dtype_name(d) for d in dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
     chosen = None
@@ -252,11 +261,16 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
             lines.append(f"  {label}: cannot serve: {reason}")
         elif chosen is None:
             chosen = impl
-            lines.append(f"  {label}: SELECTED (priority {impl.priority})")
+            measured = dict(res.tuned.ms) if res.tuned is not None else {}
+            why = (f"tuned: {measured[impl.backend]:.3g} ms measured" if impl.backend in measured
+                   else f"priority {impl.priority}")
+            lines.append(f"  {label}: SELECTED ({why})")
         else:
             lines.append(f"  {label}: capable, not chosen (after {chosen.backend}, priority {impl.priority})")
     for r in res.rejected:
         lines.append(f"  {r.backend}" + (f" [{r.variant}]" if r.variant else "") + f": cannot serve: {r.reason}")
+    if not res.requested:
+        lines += tuned.explain(op, device, dtypes, tuned_key, res.tuned)
     if chosen is not None and _is_fallback(res, chosen, late):
         lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
     return chosen, lines

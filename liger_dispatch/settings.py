@@ -62,8 +62,22 @@ def positive_number(raw: str) -> float:
     return value
 
 
+def _choice(raw: str, options: tuple[str, ...]) -> str:
+    if raw.lower() not in options:
+        raise ValueError(raw)
+    return raw.lower()
+
+
 def text(raw: str) -> str:
     return raw
+
+
+def file_list(raw: str) -> tuple[str, ...]:
+    """Paths separated by os.pathsep (empty entries skipped); a directory is not a file."""
+    paths = tuple(p for p in raw.split(os.pathsep) if p)
+    if not paths or any(os.path.isdir(p) for p in paths):
+        raise ValueError(raw)
+    return paths
 
 
 class Setting:
@@ -99,10 +113,17 @@ _BOOLEAN = "one of 0/false/no/off or 1/true/yes/on (any case)"
 
 STRICT = Setting("LIGER_STRICT", boolean, _BOOLEAN, False,
                  "a fallback becomes an error (BackendUnavailableError) instead of a FallbackWarning")
+CHECKS = Setting("LIGER_CHECKS", lambda raw: _choice(raw, ("device", "full")), "device (default) or full",
+                 "device", "where value checks run on an accelerator: device-side asserts, or full host checks "
+                 "with a Python error (a sync per call; debugging)")
 CHUNK_BUDGET_MB = Setting("LIGER_CHUNK_BUDGET_MB", positive_number, "a positive number of MiB", 512.0,
                           "memory budget for a chunk's logits buffers in the fused-linear composition")
 CHUNK_ROWS = Setting("LIGER_CHUNK_ROWS", positive_int, "a positive integer", None,
                      "force the rows of a chunk of the fused-linear composition (tests, tuning)")
+CHUNK_OVERLAP = Setting("LIGER_CHUNK_OVERLAP", boolean, _BOOLEAN, False,
+                        "run each chunk's loss kernel on a second CUDA stream, overlapping the GEMMs (loss_stream.py)")
+TUNED_TABLE = Setting("LIGER_TUNED_TABLE", file_list, f"tuned-table files separated by {os.pathsep!r}", (),
+                      "more tuned tables for auto selection, winning over the committed ones (tuned.py)")
 HELION_AUTOTUNE = Setting("LIGER_HELION_AUTOTUNE", boolean, _BOOLEAN, False,
                           "let Helion autotune at run time instead of using the committed configs")
 HELION_CONFIG_DIR = Setting("LIGER_HELION_CONFIG_DIR", text, "a directory", None,
@@ -117,8 +138,8 @@ TRITON_INTERPRET = Setting("TRITON_INTERPRET", switched_on, "1/true/yes/on to tu
 HELION_INTERPRET = Setting("HELION_INTERPRET", switched_on, "1/true/yes/on to turn it on", False,
                            "Helion's eager interpreter: the helion backend accepts CPU tensors")
 
-SETTINGS = (STRICT, CHUNK_BUDGET_MB, CHUNK_ROWS, HELION_AUTOTUNE, HELION_CONFIG_DIR, CUTEDSL_TVM_FFI,
-            CUTEDSL_DUMP_DIR, TRITON_INTERPRET, HELION_INTERPRET)
+SETTINGS = (STRICT, CHECKS, CHUNK_BUDGET_MB, CHUNK_ROWS, CHUNK_OVERLAP, TUNED_TABLE, HELION_AUTOTUNE,
+            HELION_CONFIG_DIR, CUTEDSL_TVM_FFI, CUTEDSL_DUMP_DIR, TRITON_INTERPRET, HELION_INTERPRET)
 BACKEND_PREFIX = "LIGER_BACKEND"  # LIGER_BACKEND and LIGER_BACKEND_<OP>: backend names, checked by selection.py
 
 

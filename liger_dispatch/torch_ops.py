@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch import selection
+from liger_dispatch import grad_scale, selection
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
 
@@ -45,10 +45,6 @@ def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
     return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in map(values.__getitem__, spec.differentiable))
 
 
-def _first_tensor(a: Args) -> torch.Tensor:
-    return next(v for v in a.__dict__.values() if isinstance(v, torch.Tensor))
-
-
 # -- eager ----------------------------------------------------------------------------------------------------------
 class _GradsInForward(torch.autograd.Function):
     """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""
@@ -61,7 +57,7 @@ class _GradsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return None, *(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        return None, *grad_scale.scaled(ctx, grad_loss)
 
 
 class _RowLosses(torch.autograd.Function):
@@ -227,6 +223,7 @@ def _define_loss(spec: OpSpec) -> None:
             own = ctx.inputs[: len(spec.schema.positional)]
             grads = getattr(torch.ops.liger_dispatch, spec.name)(*own, grad_loss, **keywords)[1:]
         else:
+            # out of place: a traced backward may not change what the forward saved
             grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
         result = [None] * ctx.positional
         for i, g, w in zip(where, grads, need):

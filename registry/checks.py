@@ -8,7 +8,7 @@ import torch
 
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry.device_labels import assert_class_indices
-from liger_dispatch.selection import getenv
+from liger_dispatch import settings
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -87,7 +87,7 @@ def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int
     """
     if target.numel() == 0:
         return
-    if target.device.type != "cpu" and getenv("LIGER_CHECKS") != "full":
+    if target.device.type != "cpu" and settings.CHECKS.get() != "full":
         assert_class_indices(name, target, vocab, ignore_index)
         return
     low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())

@@ -105,33 +105,29 @@ def check_ce_loss_and_grad(a):
     _labels("target", a.target, n)
 
 
-def check_jsd_loss_and_grad(a):
-    n, vocab = _logits("student_logits", a.student_logits)
-    _logits("teacher_logits", a.teacher_logits)
-    if a.teacher_logits.shape != a.student_logits.shape:
-        raise InputError(f"teacher_logits has shape {tuple(a.teacher_logits.shape)} but student_logits has "
+def _student_and(other_name, a):
+    """The checks a kernel-level op on a student logits chunk and a second [C, V] tensor share."""
+    other = getattr(a, other_name)
+    n, _ = _logits("student_logits", a.student_logits)
+    _logits(other_name, other)
+    if other.shape != a.student_logits.shape:
+        raise InputError(f"{other_name} has shape {tuple(other.shape)} but student_logits has "
                          f"{tuple(a.student_logits.shape)}")
-    c.same_device(student_logits=a.student_logits, teacher_logits=a.teacher_logits, labels=a.labels,
-                  grad_scale=a.grad_scale)
+    c.same_device(student_logits=a.student_logits, **{other_name: other}, labels=a.labels, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
-    c.in_range("beta", a.beta, 0.0, 1.0)
     c.positive("temperature", a.temperature)
     c.integer("ignore_index", a.ignore_index)
     _labels("labels", a.labels, n)
+
+
+def check_jsd_loss_and_grad(a):
+    _student_and("teacher_logits", a)
+    c.in_range("beta", a.beta, 0.0, 1.0)
 
 
 def check_kl_div_loss_and_grad(a):
-    n, vocab = _logits("student_logits", a.student_logits)
-    _logits("target", a.target)
-    if a.target.shape != a.student_logits.shape:
-        raise InputError(f"target has shape {tuple(a.target.shape)} but student_logits has "
-                         f"{tuple(a.student_logits.shape)}")
-    c.same_device(student_logits=a.student_logits, target=a.target, labels=a.labels, grad_scale=a.grad_scale)
-    c.grad_scale(a.grad_scale, n)
-    c.positive("temperature", a.temperature)
+    _student_and("target", a)
     c.non_negative("eps", a.eps)
-    c.integer("ignore_index", a.ignore_index)
-    _labels("labels", a.labels, n)
 
 
 def flce_classes(a):
@@ -176,7 +172,8 @@ def probe_fused_linear_kl_div(a):
 
 def fake_rows(a):
     """A kernel-level loss's per-row loss: fp32 [C] (float64 for float64 logits)."""
-    logits = a.logits if "logits" in a.__dict__ else a.student_logits
+    logits = getattr(a, "logits", None)
+    logits = a.student_logits if logits is None else logits
     return logits.new_empty(logits.shape[0], dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
 
 

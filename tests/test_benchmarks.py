@@ -56,3 +56,18 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"):
         assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
     assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
+
+
+def test_triton_loss_kernel_cases_match_the_formulas():
+    """Every case of benchmarks/triton_loss_kernels.py (kernel variants included) passes its own check, at a
+    tiny shape on the CPU: the GPU run times only what is right."""
+    import torch
+
+    from benchmarks import triton_loss_kernels as bench
+
+    for name, reads, writes, make, run, reference_rows, launch, knobs in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
+        inputs = make()
+        with launch.using(**knobs, block_size=64):
+            assert bench.check(name, inputs, run, reference_rows, 1.0 / 3), name
+        model, minimum = bench.traffic(inputs, reads, writes)
+        assert model >= minimum > 0

@@ -267,9 +267,10 @@ def test_fp16_gradients_keep_their_digits(op):
 
 
 EMPTY_CASES = {
-    "flce": [dict(reduction="mean"), dict(reduction="sum"), dict(reduction="none")],
+    "flce": [dict(reduction="mean"), dict(reduction="sum", lse_square_scale=0.1), dict(reduction="none")],
     "fused_linear_jsd": [dict(jsd_beta=0.5), dict(jsd_beta=0.0, with_labels=True)],
-    "fused_linear_kl_div": [dict(reduction="batchmean"), dict(reduction="mean", with_labels=True), dict(reduction="sum")],
+    "fused_linear_kl_div": [dict(reduction="batchmean"), dict(reduction="mean", with_labels=True),
+                            dict(reduction="sum", log_target=True)],
     "mhc_coeffs": [{}],
 }
 
@@ -295,7 +296,7 @@ def empty_batch(op, dtype, with_labels=False, **kwargs):
     return {k: leaf(v, v.is_floating_point() and k not in teacher) for k, v in inputs.items() if v is not None}, kwargs
 
 
-@pytest.mark.parametrize("op,backend,dtype", cases())
+@pytest.mark.parametrize("op,backend,dtype", cases() + cases(dtypes=(torch.float16,)))
 def test_empty_batch(op, backend, dtype):
     """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
     for options in EMPTY_CASES[op]:
@@ -312,3 +313,38 @@ def test_empty_batch(op, backend, dtype):
             if t.requires_grad:
                 assert t.grad is not None and t.grad.shape == t.shape, f"{op} {options}: no gradient for {name}"
                 assert (t.grad == 0).all(), f"{op} {options}: gradient of {name} is not zero"
+
+
+FP16_ADVERSARIAL = {
+    # a strong z-loss on logits ~ 20: d loss / d logit reaches 1 + 2 * 0.5 * lse ~ 20
+    "flce-zloss-softcap": ("flce", dict(softcap=20.0, lse_square_scale=0.5, reduction="sum"), 8.0),
+    "flce-zloss-none": ("flce", dict(lse_square_scale=0.5, reduction="none"), 8.0),
+    "jsd-cold": ("fused_linear_jsd", dict(jsd_beta=0.0, temperature=0.05), 1.0),
+    "jsd-reverse-cold": ("fused_linear_jsd", dict(jsd_beta=1.0, temperature=0.25), 1.0),
+    # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
+    "kl-unnormalized": ("fused_linear_kl_div", dict(log_target=True, reduction="sum"), 1.0),
+}
+
+
+def fp16_adversarial_cases():
+    return [pytest.param(*p.values, case, marks=p.marks, id=f"{p.id}-{case}")
+            for case, (op, _, _) in FP16_ADVERSARIAL.items() for p in cases((op,), (torch.float16,))]
+
+
+@pytest.mark.parametrize("op,backend,dtype,case", fp16_adversarial_cases())
+def test_fp16_gradients_never_overflow(op, backend, dtype, case):
+    """fp16 buffers hold the gradient scaled up (see grad_bounds.py): inputs whose per-logit gradients are far
+    above 1 must not overflow them (or dX) into inf / NaN."""
+    _, kwargs, logit_scale = FP16_ADVERSARIAL[case]
+    x, w = randn(N, H, dtype=dtype), randn(V, H, dtype=dtype, scale=logit_scale * H ** -0.5)
+    if op == "flce":
+        inputs, grads = dict(input=x, weight=w, target=labels(N, V, ignored=(1,))), ("input", "weight")
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(N, H, dtype=dtype, scale=4.0),
+                      teacher_weight=randn(V, H, dtype=dtype, scale=H ** -0.5))
+        grads = ("student_input", "student_weight")
+    else:
+        x = randn(N, H, dtype=dtype, scale=4.0)  # a confident student: softmax near one-hot
+        inputs = dict(student_input=x, student_weight=w, target=torch.softmax(randn(N, V), -1).to(dtype))
+        grads = ("student_input", "student_weight")
+    run_and_compare(op, backend, dtype, inputs, kwargs, grads)

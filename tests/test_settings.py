@@ -22,6 +22,8 @@ def test_strict_accepts_the_usual_spellings(monkeypatch, raw, on):
     ("LIGER_CHUNK_ROWS", "0", "a positive integer"),
     ("LIGER_CHUNK_BUDGET_MB", "-1", "a positive number of MiB"),
     ("LIGER_CHUNK_BUDGET_MB", "nan", "a positive number of MiB"),
+    ("LIGER_CHUNK_OVERLAP", "2", "0/false/no/off or 1/true/yes/on"),
+    ("LIGER_TUNED_TABLE", "/", "tuned-table files separated by"),
 ])
 def test_a_bad_value_is_an_error_naming_the_variable_and_what_it_accepts(monkeypatch, name, raw, accepts):
     """Raised by the first call, before any backend runs (the fused-linear composition reads the chunk variables)."""
@@ -53,3 +55,12 @@ def test_strict_false_is_off(monkeypatch):
     monkeypatch.setenv("LIGER_STRICT", "True")
     with pytest.raises(BackendUnavailableError, match="LIGER_STRICT is set"):
         dispatch.op("flce")(x, w, y)
+
+
+def test_liger_checks_takes_device_or_full(monkeypatch):
+    for raw, value in (("full", "full"), ("FULL", "full"), ("device", "device")):
+        monkeypatch.setenv("LIGER_CHECKS", raw)
+        assert settings.CHECKS.get() == value
+    monkeypatch.setenv("LIGER_CHECKS", "paranoid")
+    with pytest.raises(ConfigError, match="LIGER_CHECKS.*device .default. or full"):
+        settings.CHECKS.get()

@@ -191,6 +191,17 @@ def test_preference_is_read_when_the_compiled_op_runs(isolated_table):
     assert calls
 
 
+def test_backward_scales_by_grad_loss_and_refuses_a_second_backward():
+    x, w, y, bias = loss_inputs("flce")
+    loss = dispatch.op("flce")(x, w, y, bias)
+    grads = torch.autograd.grad(loss * 3.0, (x, w, bias), retain_graph=True)
+    want = torch.autograd.grad(3.0 * dispatch.op("flce")(x, w, y, bias), (x, w, bias))
+    for g, ref in zip(grads, want):
+        assert_rel_close("scaled", g, ref, 1e-6)
+    with pytest.raises(RuntimeError, match="cannot be backpropagated twice"):
+        torch.autograd.grad(loss, (x, w, bias))
+
+
 def test_autocast_casts_like_a_linear_layer():
     """An fp32 master weight with a bf16 activation under autocast: cast as F.linear is; gradients in fp32."""
     x = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
@@ -220,6 +231,11 @@ def gpu_calls():
         yield f"mhc_coeffs-{backend}", (lambda h=handle: lambda *a: h(*a, tmax=3))(), lambda: mhc_inputs("cuda")
 
 
+def fresh_leaves(args):
+    return tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
 @pytest.mark.gpu
 def test_gpu_hot_path_never_syncs():
     for name, fn, make in gpu_calls():
@@ -238,6 +254,7 @@ def test_gpu_compile_fullgraph_every_op_and_backend():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, fn, make in gpu_calls():
+            torch._dynamo.reset()  # one compiled function per op and backend, not recompiles of one
             counters.clear()
             args = make()
             want, want_grads = grads_of(fn(*args), args)
@@ -250,12 +267,13 @@ def test_gpu_compile_fullgraph_every_op_and_backend():
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay_every_op_and_backend():
     for name, fn, make in gpu_calls():
-        args = make()
-        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        want, want_grads = grads_of(fn(*args), args)
+        eager_args = make()
+        want, want_grads = grads_of(fn(*eager_args), eager_args)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graph asks
+            args = fresh_leaves(eager_args)  # leaves whose autograd nodes are made on this stream
+            leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             grads_of(fn(*args), args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -271,6 +289,7 @@ def test_gpu_cuda_graph_capture_and_replay_every_op_and_backend():
 @pytest.mark.gpu
 def test_gpu_reduce_overhead_compile_replays_to_eager():
     for name, fn, make in gpu_calls():
+        torch._dynamo.reset()
         args = make()
         want, want_grads = grads_of(fn(*args), args)
         compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)

@@ -164,6 +164,31 @@ def test_kl_zero_probabilities(log_target, target_dtype):
            temperature=2.0, log_target=log_target)
 
 
+@pytest.mark.parametrize("reads", [1, 2])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mass", [1.0, 0.7])
+def test_kl_target_read_once_or_twice(reads, target_dtype, mass):
+    """Both variants on both target dtypes; a target summing to 0.7 takes the single-read variant's fix-up pass."""
+    with kl_div.LAUNCH.using(target_reads=reads):
+        run_kl(logits(dtype=torch.bfloat16), (probabilities() * mass).to(target_dtype), labels(ignored=(2,)),
+               grad_scale_of("per-row"), temperature=1.5)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_kl_unnormalized_log_target_read_once(logits_dtype):
+    target = (probabilities() * 1.25).log()  # sums to 1.25; -inf where the probability is 0
+    with kl_div.LAUNCH.using(target_reads=1):
+        run_kl(logits(dtype=logits_dtype), target, None, grad_scale_of("0-d"), log_target=True)
+
+
+def test_kl_variant_by_target_dtype():
+    fp32, bf16 = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)
+    assert kl_div.reads_target_once(fp32, kl_div.LAUNCH.current)
+    assert not kl_div.reads_target_once(bf16, kl_div.LAUNCH.current)
+    with kl_div.LAUNCH.using(target_reads=2) as knobs:
+        assert not kl_div.reads_target_once(fp32, knobs)
+
+
 @pytest.mark.parametrize("eps", [1e-8, 0.0])
 def test_kl_eps_and_tiny_probabilities(eps):
     target = probabilities()  # zeros in the first 20 columns
@@ -204,6 +229,8 @@ def test_gpu_real_vocab(vocab, dtype):
             temperature=2.0)
     run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.0)
     run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab, dtype=dtype), target, block=None)
+    for mass in (1.0, 0.8):  # an fp32 target is read once; one summing to 0.8 takes the fix-up pass
+        run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab) * mass, target, block=None, temperature=2.0)
 
 
 @pytest.mark.gpu

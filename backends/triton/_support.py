@@ -79,6 +79,17 @@ def load_block(ROW, start, cols, n_cols: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
+def block_start(i, n_cols: tl.constexpr, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    """First column of the i-th block a pass visits. A pass that re-reads a row walks it in the other direction
+    from the pass before (BACKWARD every other pass), so it starts on the blocks read last, the ones most likely
+    still in L2: a row re-read in the same direction evicts each block just before it is needed again (LRU)."""
+    if BACKWARD:
+        return ((n_cols + BLOCK - 1) // BLOCK - 1 - i) * BLOCK
+    else:
+        return i * BLOCK
+
+
+@triton.jit
 def online_softmax_step(m, u):
     """One block of an online softmax in base 2 (Milakov & Gimelshein).
 

@@ -9,7 +9,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, LOG2E, LN2, PRIORITY, RowLaunch,
-    load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+    block_start, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
 )
 
 
@@ -60,7 +60,8 @@ def _ce_kernel(
     uniform = scale * smoothing / V
     on_target = scale * (1.0 - smoothing)
     y_col = y.to(tl.int32)  # compared with int32 column offsets
-    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+    for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+        start = block_start(i, V, BLOCK, True)  # backward: begins on the blocks pass 1 left in L2
         x, mask = load_block(X, start, cols, V, "evict_first")
         if HAS_SOFTCAP:
             t = tanh(x * inv_softcap)

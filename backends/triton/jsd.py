@@ -4,6 +4,13 @@ beta = 0 (KL(p||q)) and beta = 1 (KL(q||p)) need 2 passes over each row: their l
 online softmax can rescale as the max moves, and the gradient's cross-column term is the loss itself (beta = 1)
 or absent (beta = 0). Any other beta needs log m_j = log(beta p_j + (1 - beta) q_j), which is only known once
 both normalizers are, so it takes 3: statistics, then loss and sum_k q_k (log q_k - log m_k), then the gradient.
+
+Two passes at such a beta are out of reach for a kernel that streams rows: every column's gradient needs that
+cross-column sum, which depends on the final normalizers through the log of the mixture (it cannot be rescaled as
+the running max and sums move, as the beta = 0 / 1 expectations can), and once a gradient block is written the
+student logits behind it are gone, so neither a provisional gradient nor a later correction can be made exact
+(the correction is proportional to q_j). What the third pass costs can still shrink: passes alternate direction
+(block_start), so the second and third start on the blocks the pass before read last, the ones still in L2.
 """
 
 import triton
@@ -15,7 +22,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
+    block_start, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -40,6 +47,7 @@ def _jsd_kernel(
         return
 
     # All logs below are base 2: s2 = student * log2(e) / T, t2 likewise, ls2 = log2 q, lt2 = log2 p.
+    # Pass 1 walks the row forward, the next pass backward, a third forward again (block_start).
     cols = tl.arange(0, BLOCK)
     m_s = -float("inf")
     m_t = -float("inf")
@@ -67,7 +75,8 @@ def _jsd_kernel(
     if MODE == FORWARD_KL:
         # KL(p||q) = E_p[t2 - s2] - lse_t + lse_s; dL/ds = q - p
         tl.store(LOSS + row, (tl.sum(acc, 0) / sum_t - lse_t + lse_s) * LN2)
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+            start = block_start(i, V, BLOCK, True)
             s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             g = scale * (tl.exp2(s2 - lse_s) - tl.exp2(t2 - lse_t))
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
@@ -76,7 +85,8 @@ def _jsd_kernel(
         kl2 = tl.sum(acc, 0) / sum_s - lse_s + lse_t
         tl.store(LOSS + row, kl2 * LN2)
         shift = lse_s - lse_t + kl2
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+            start = block_start(i, V, BLOCK, True)
             s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_first")
             g = (scale * LN2) * tl.exp2(s2 - lse_s) * (s2 - t2 - shift)
             tl.store(S + start + cols, g.to(S.dtype.element_ty), mask=mask)
@@ -85,7 +95,8 @@ def _jsd_kernel(
         # dL/ds_j = (1 - beta) q_j ln2 ((ls2_j - lm2_j) - sum_k q_k (ls2_k - lm2_k))
         loss = tl.zeros([BLOCK], tl.float32)
         cross = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
+        for i in tl.range(0, (V + BLOCK - 1) // BLOCK, num_stages=NUM_STAGES):
+            start = block_start(i, V, BLOCK, True)
             s2, t2, mask = load_pair(S, T, start, cols, V, to_log2, "evict_last")
             ls2 = s2 - lse_s
             lt2 = t2 - lse_t
