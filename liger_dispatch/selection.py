@@ -181,7 +181,7 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     res = _resolution(op, pinned, args, kwargs)
     late: list[Rejection] = []
     chosen = None
-    for impl in res.chain:  # usually the first serves: no generator, no list on the per-call path
+    for impl in res.chain:  # usually the first serves; a plain loop, no generator, on the per-call path
         predicate = impl.capability.predicate
         reason = None if predicate is None else predicate(*args, **kwargs)
         if reason is None:
