@@ -147,10 +147,10 @@ def host_us(fn, leaves, calls=200):
     return statistics.median(times) * 1e6
 
 
-def register_floor_backend():
+def register_floor_backend(devices=("cuda",)):
     """The "floor" backend: mhc_coeff_fwd / mhc_coeff_bwd stand-ins (the ops' signatures) that allocate their
     outputs and launch nothing; never picked unless pinned."""
-    floor = dict(backend="floor", priority=1000, capability=ld.Capability(devices=("cuda",)))
+    floor = dict(backend="floor", priority=1000, capability=ld.Capability(devices=devices))
 
     @ld.register_backend("mhc_coeff_fwd", **floor)
     @functools.wraps(reference_mhc.mhc_coeff_fwd)

@@ -179,12 +179,11 @@ def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     """The implementation that serves this call (warning or raising on fallback)."""
     res = _resolution(op, pinned, args, kwargs)
-    first = res.chain[0] if res.chain else None
-    if first is not None and first.capability.predicate is None and not _is_fallback(res, first, ()):
-        return first  # the usual call: the first capable implementation has no per-call predicate to ask
     late: list[Rejection] = []
     chosen = None
-    for impl, reason in _judged(res.chain, args, kwargs):
+    for impl in res.chain:  # usually the first serves; a plain loop, no generator, on the per-call path
+        predicate = impl.capability.predicate
+        reason = None if predicate is None else predicate(*args, **kwargs)
         if reason is None:
             chosen = impl
             break

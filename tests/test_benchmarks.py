@@ -56,6 +56,20 @@ def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
     assert sorted(r[0] for r in rows) == ["| flce", "| fused_linear_jsd", "| fused_linear_kl_div"]
     assert all(float(err.strip(" |")) < 1e-5 for r in rows for err in r[-3:]), rows
 
+
+def test_host_cost_runs_on_the_cpu(tmp_path):
+    """benchmarks.host_cost end to end at its quick shapes: a row per loss op and provider, and mHC's rows."""
+    out = tmp_path / "host_cost.md"
+    command = [sys.executable, "-m", "benchmarks.host_cost", "--device", "cpu", "--quick", "--backends", "reference",
+               "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = out.read_text()
+    for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"):
+        assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
+    assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
+
+
 def test_triton_loss_kernel_cases_match_the_formulas():
     """Every case of benchmarks/triton_loss_kernels.py (kernel variants included) passes its own check, at a
     tiny shape on the CPU: the GPU run times only what is right."""

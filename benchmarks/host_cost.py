@@ -1,0 +1,254 @@
+"""python -m benchmarks.host_cost: what a call costs the CPU next to what it costs the GPU (issue 10, point 5).
+
+    python -m benchmarks.host_cost                                         # the GPU host: losses and mHC, every backend
+    python -m benchmarks.host_cost --out benchmarks/results/h200_host_cost.md
+    python -m benchmarks.host_cost --device cpu --quick --backends reference   # the CPU smoke test
+
+Loss ops (one dispatch handle call, inputs and weight requiring gradients as in training, bf16):
+  provider   "noop": a backend returning a preallocated loss, so the row is dispatch alone (binding, the memoized
+             checks, the label check's launches, selection, autograd); then every backend that serves the op here
+  handle us  host time of one handle call, the stream idle when it starts (median)
+  impl us    the same call on the implementation the handle selects, directly (no dispatch, no label check)
+  extra us   handle - impl: what dispatch adds to the kernels' own launch cost (target: <= 10)
+  wall us    --calls handle calls back to back, one synchronization at the end, per call
+  graph us   the call captured in one CUDA graph, replayed back to back, per replay: the GPU's time with no host
+  gpu us     the kernels' summed duration per handle call (torch.profiler); launches: their count, handle / impl
+mhc_coeffs (B=4, HC=4, T x C = 512 x 1024 and 2048 x 4096), forward and torch.autograd.backward of the three outputs:
+  eager us   --calls steps back to back, per step (gradients set to None in each, as zero_grad does)
+  graph us   the step captured in one CUDA graph, replayed back to back, per replay
+  gpu us     the kernels' summed duration per step; host us: host time of one step; launches: kernels per step
+  target     eager <= gpu + 40 us
+  provider "floor" stands the kernels in by ops that only allocate their outputs: dispatch, autograd and
+  allocations alone; then every backend that serves mhc_coeffs here.
+A backend registered here ("noop", "floor") lasts for the process: run this script on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import liger_dispatch as ld
+from benchmarks import env as environment
+from benchmarks import mhc_kernels, workloads
+from benchmarks.shapes import LM_OPS, Case
+from liger_dispatch import dispatch
+from liger_dispatch.table import TABLE
+
+LOSS_DIMS = (("N", 1024), ("H", 1024), ("V", 32000))  # small: the host cost shows, the GPU time does not hide it
+MHC_POINTS = ((512, 1024), (2048, 4096))
+QUICK_LOSS_DIMS = (("N", 16), ("H", 32), ("V", 100))
+QUICK_MHC_POINTS = ((8, 16),)
+GPU_BACKENDS = ("triton", "cutedsl", "helion")
+TARGET_EXTRA_US = 10.0
+TARGET_MHC_US = 40.0
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us(fn: Callable, device: torch.device, calls: int) -> float:
+    """Median host time of one call, the stream idle when it starts (nothing waits for room in the queue)."""
+    times = []
+    for _ in range(calls):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    synchronize(device)
+    return statistics.median(times) * 1e6
+
+
+def wall_us(fn: Callable, device: torch.device, calls: int) -> float:
+    """Per call, of `calls` calls back to back and one synchronization: host- or GPU-bound, whichever binds."""
+    best = float("inf")
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def gpu_us(fn: Callable, device: torch.device, calls: int = 5) -> tuple[Optional[float], Optional[float]]:
+    """(kernels per call, their summed duration per call in us), from torch.profiler; (None, None) on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / calls, sum(e.time_range.elapsed_us() for e in kernels) / calls
+
+
+def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
+    """Per replay of fn captured in one CUDA graph (warmed up on a side stream first, as torch.cuda.graph asks):
+    the GPU's time for the call with no host in the way; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return wall_us(graph.replay, device, calls)
+
+
+def _like(spec) -> inspect.Signature:
+    """The signature an implementation of `spec` must have: its schema, then the implementations' extras."""
+    return inspect.Signature([*spec.schema.signature.parameters.values(), *spec.extra.signature.parameters.values()])
+
+
+def register_noop(op: str, device: torch.device) -> str:
+    """A backend of `op` that returns a preallocated loss and no gradients, never picked unless pinned; its name."""
+    spec = TABLE.spec(op)
+    loss = torch.zeros((), device=device)
+    none = (None,) * len(spec.differentiable)
+
+    def noop(*args, **kwargs):
+        return (loss, *none)
+
+    noop.__signature__ = _like(spec)
+    ld.register_backend(op, backend="noop", priority=1 << 20, capability=ld.Capability(devices=(device.type,)))(noop)
+    return "noop"
+
+
+def _needs_grads(op: str, inputs: workloads.Inputs) -> list[bool]:
+    """need_grads of the call: which of the op's differentiable tensors require gradients."""
+    spec = TABLE.spec(op)
+    bound = spec.schema.bind(inputs.args, inputs.kwargs)
+    return [isinstance(v, torch.Tensor) and v.requires_grad for v in (getattr(bound, n) for n in spec.differentiable)]
+
+
+def _serving(op: str, device: torch.device, dtype: torch.dtype, asked: Optional[list[str]]) -> list[str]:
+    """The asked backends, or every GPU backend that serves op here (the reference where none does)."""
+    if asked:
+        return asked
+    here = ld.available_backends(op, device=device, dtype=dtype)
+    return [b for b in GPU_BACKENDS if b in here] or [b for b in here if b == "reference"]
+
+
+def _fmt(value: Optional[float], digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def loss_rows(device: torch.device, dims: tuple, calls: int, asked: Optional[list[str]]) -> list[dict]:
+    rows = []
+    for op in LM_OPS:
+        case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
+        inputs = workloads.make_inputs(case, device, seed=0)
+        for backend in (register_noop(op, device), *_serving(op, device, case.dtype, asked)):
+            handle = dispatch.op(op, backend=backend)
+            impl = handle.select(*inputs.args, **inputs.kwargs)
+            need = _needs_grads(op, inputs)
+
+            def through_handle():
+                handle(*inputs.args, **inputs.kwargs)
+
+            def direct():
+                with torch.no_grad():  # as inside the handle's autograd.Function
+                    impl.fn(*inputs.args, **inputs.kwargs, need_grads=need)
+
+            through_handle()
+            direct()
+            n_handle, gpu = gpu_us(through_handle, device)
+            n_impl, _ = gpu_us(direct, device)
+            handle_us, impl_us = host_us(through_handle, device, calls), host_us(direct, device, calls)
+            extra = handle_us - impl_us
+            rows.append({"op": op, "provider": backend, "handle us": _fmt(handle_us), "impl us": _fmt(impl_us),
+                             "extra us": _fmt(extra), "wall us": _fmt(wall_us(through_handle, device, calls)),
+                             "graph us": _fmt(graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
+                             "launches": f"{_fmt(n_handle, 0)} / {_fmt(n_impl, 0)}",
+                             "target": "meets" if extra <= TARGET_EXTRA_US else "misses"})
+    return rows
+
+
+def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[list[str]]) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mhc_kernels.register_floor_backend(devices=(device.type,))
+    backends = ["floor", *_serving("mhc_coeffs", device, dtype, asked)]
+    for t, c in points:
+        dims = (("B", 4), ("T", t), ("HC", 4), ("C", c))
+        case = Case("mhc_coeffs", "host", t * c, dims, dtype, "fwd+bwd")
+        inputs = workloads.make_inputs(case, device, seed=0)
+        for backend in backends:
+            handle = dispatch.op("mhc_coeffs", backend=backend)
+
+            def step():
+                for leaf in inputs.leaves:  # as zero_grad(set_to_none=True): no accumulation kernels
+                    leaf.grad = None
+                torch.autograd.backward(handle(*inputs.args, tmax=20), inputs.upstream)
+
+            step()
+            launches, gpu = gpu_us(step, device)
+            eager = wall_us(step, device, calls)
+            graph = graph_us(step, device, calls) if backend != "floor" else None
+            verdict = "" if backend == "floor" or gpu is None else "meets" if eager <= gpu + TARGET_MHC_US else "misses"
+            rows.append({"T x C": f"{t} x {c}", "provider": backend, "eager us": _fmt(eager),
+                             "graph us": _fmt(graph), "gpu us": _fmt(gpu), "host us": _fmt(host_us(step, device, calls)),
+                             "launches": _fmt(launches, 0), "target": verdict})
+    return rows
+
+
+LOSS_COLUMNS = ("op", "provider", "handle us", "impl us", "extra us", "wall us", "graph us", "gpu us", "launches",
+                "target")
+MHC_COLUMNS = ("T x C", "provider", "eager us", "graph us", "gpu us", "host us", "launches", "target")
+
+
+def table(columns, rows: list[dict]) -> list[str]:
+    """Markdown lines: the header, then one line per row."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(row[c] for c in columns) + " |" for row in rows)]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=200, help="calls a measurement takes (host, back to back)")
+    parser.add_argument("--backends", nargs="+", help="backends to measure (default: every GPU backend serving here)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few calls (the CPU smoke test)")
+    parser.add_argument("--out", type=Path, help="also write the tables (markdown) there")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    calls = 3 if args.quick else args.calls
+    loss_dims, points = (QUICK_LOSS_DIMS, QUICK_MHC_POINTS) if args.quick else (LOSS_DIMS, MHC_POINTS)
+    run = environment.collect(device, argv)
+    command = " ".join(["python -m benchmarks.host_cost", *map(shlex.quote, argv)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallbacks are reported by the provider column, not as warnings here
+        lines = [f"# Host cost per call on {run.gpu} ({run.date}; driver {run.driver}; "
+                 + ", ".join(f"{k} {v}" for k, v in run.versions.items()) + ")", "", f"`{command}`", "",
+                 f"## Loss ops ({', '.join(f'{k}={v}' for k, v in loss_dims)})", "",
+                 *table(LOSS_COLUMNS, loss_rows(device, loss_dims, calls, args.backends)), "",
+                 "## mhc_coeffs forward + backward (B=4, HC=4)", "",
+                 *table(MHC_COLUMNS, mhc_rows(device, points, calls, args.backends))]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
