@@ -40,6 +40,7 @@ from liger_dispatch import fused_linear, selection
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
 from liger_dispatch.schema import Args
+from liger_dispatch.table import TABLE
 
 # the user-level ops with a vocab-parallel path, and the name of their weight argument
 WEIGHT_ARGUMENT = {"flce": "weight", "fused_linear_jsd": "student_weight", "fused_linear_kl_div": "student_weight"}
@@ -174,14 +175,19 @@ def kl_div_rows(stats: torch.Tensor) -> torch.Tensor:
 
 
 class _Kernels:
-    """The vocab-parallel kernel-level ops of the backend that serves the user-level call; a backend without them
-    falls back to the reference like any op (a FallbackWarning, an error under LIGER_STRICT=1)."""
+    """The vocab-parallel kernel-level ops of the backend that serves the user-level call; for an op that backend
+    does not implement, the best one that does (auto selection, which warns only if that is the reference)."""
 
     def __init__(self, backend: str):
-        self.pinned = (backend,)
+        self.backend = backend
+        self._pinned: dict[str, tuple[str, ...]] = {}
 
     def __call__(self, op: str, *args, **kwargs):
-        return selection.select(op, self.pinned, args, kwargs).fn(*args, **kwargs)
+        pinned = self._pinned.get(op)
+        if pinned is None:
+            implements = any(impl.backend == self.backend for impl in TABLE.candidates(op))
+            pinned = self._pinned[op] = (self.backend,) if implements else ()
+        return selection.select(op, pinned, args, kwargs).fn(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- where the tensors are
