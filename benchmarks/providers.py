@@ -89,10 +89,14 @@ class _OursTraced:
             compiled = torch.compile(lambda *a, **k: handle(*a, **k), fullgraph=True, mode=self.mode)
             rows = _ROW_ARGS.get(case.op, ())
 
+            graphed = self.mode == "reduce-overhead"
+
             def fn(*args, **kwargs):
                 for i in rows:
                     if isinstance(args[i], torch.Tensor):
                         torch._dynamo.maybe_mark_dynamic(args[i], 0)
+                if graphed:  # each call is an iteration: the graph's outputs of the last one may be reused
+                    torch.compiler.cudagraph_mark_step_begin()
                 return compiled(*args, **kwargs)
 
             self._fns[case.op] = fn
