@@ -13,8 +13,8 @@ import torch
 from liger_dispatch.backends.helion import vocab_parallel as vp
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 
-from kernel_checks import DEVICE, IGNORE, check, inputs, reference
-from vp_checks import SPLITS, UNEVEN, WITH_EMPTY, check_empty_slice, run_ce, run_jsd, run_kl_div
+from kernel_checks import DEVICE, IGNORE, check, check_rows_relative, inputs, reference
+from vp_checks import SPLITS, UNEVEN, WITH_EMPTY, check_empty_slice, run_ce, run_jsd, run_kl_div, uneven
 
 C, V = 5, 37
 logits, labels = inputs(C, V)
@@ -117,10 +117,8 @@ def test_registered_for_every_op_with_the_backend_capability():
 @pytest.mark.gpu
 @pytest.mark.parametrize("vocab", [32000, 128256, 262208])
 def test_gpu_real_vocabularies_over_uneven_slices(vocab):
-    from test_helion_kernels import check_rows_relative
-
     rows = 256
-    bounds = ((0, vocab // 3 + 5), (vocab // 3 + 5, vocab - 1000), (vocab - 1000, vocab))
+    bounds = uneven(vocab)
     target = labels(rows, vocab, ignored=range(0, rows, 5))
     teacher = logits(rows, vocab, torch.bfloat16)
     probs = torch.softmax(torch.randn(rows, vocab, device=DEVICE) * 2, dim=-1)

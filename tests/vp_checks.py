@@ -18,6 +18,12 @@ WITH_EMPTY = ((0, 0), (0, 21), (21, 37))
 SPLITS = {"one-rank": ONE_RANK, "uneven": UNEVEN, "with-empty": WITH_EMPTY}
 
 
+def uneven(V):
+    """An empty slice, then three uneven ones of a real vocabulary (V >= 64)."""
+    a, b = V // 3 + 5, V - V // 5 - 3
+    return (0, 0), (0, a), (a, b), (b, V)
+
+
 def _slices(x, bounds):
     return [(start, x[:, start:stop]) for start, stop in bounds]
 

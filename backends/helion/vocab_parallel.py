@@ -17,7 +17,7 @@ import helion.language as hl
 
 from liger_dispatch import register_backend
 
-from .._vp_rows import empty_slice_stats, row_stats
+from .._vp_rows import row_stats
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
     needs_int64, online_step, row_config, row_scale, valid_rows,
@@ -357,10 +357,8 @@ def _launch(like: torch.Tensor, *tensors: torch.Tensor) -> dict:
 @register_backend("ce_vp_stats", backend="helion", priority=PRIORITY, capability=CAPABILITY)
 def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
     """[C, 3] fp32 per row of this slice: (lse, z_target where this slice owns the target else 0, sum z)."""
-    stats, C, V = row_stats(logits, 3)
-    if V == 0:
-        return empty_slice_stats(stats, target, ignore_index, (0,))
-    if C > 0:
+    stats, C, V = row_stats(logits, 3, target, ignore_index, lse_columns=(0,))
+    if C and V:
         CE_STATS(logits, flat_rows(logits), logits.stride(0), target, stats, int(vocab_start), int(ignore_index),
                  None if softcap is None else float(softcap), **_launch(logits))
     return stats
@@ -382,10 +380,8 @@ def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=N
 @register_backend("jsd_vp_stats", backend="helion", priority=PRIORITY, capability=CAPABILITY)
 def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-100, temperature=1.0):
     """[C, 2] fp32 per row of this slice: lse of student / T and of teacher / T."""
-    stats, C, V = row_stats(student_logits, 2)
-    if V == 0:
-        return empty_slice_stats(stats, labels, ignore_index, (0, 1))
-    if C > 0:
+    stats, C, V = row_stats(student_logits, 2, labels, ignore_index, lse_columns=(0, 1))
+    if C and V:
         JSD_STATS(student_logits, teacher_logits, labels, stats, int(ignore_index), LOG2E / temperature,
                   **_launch(student_logits, teacher_logits))
     return stats
@@ -395,8 +391,8 @@ def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-1
 def jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0):
     """[C, 2] fp32 per row: this slice's part of the row loss and of S, under the global lse [C, 2]."""
     sums, C, V = row_stats(student_logits, 2)
-    if C == 0 or V == 0:
-        return sums.zero_()
+    if not (C and V):
+        return sums
     JSD_SUMS(student_logits, teacher_logits, labels, lse, sums, int(ignore_index), LOG2E / temperature, float(beta),
              beta_case(float(beta)), **_launch(student_logits, teacher_logits))
     return sums
@@ -418,10 +414,8 @@ def jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=
 def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
                     log_target=False):
     """[C, 4] fp32 per row of this slice: (lse of s = student / T, sum q, sum q log q, sum q s)."""
-    stats, C, V = row_stats(student_logits, 4)
-    if V == 0:
-        return empty_slice_stats(stats, labels, ignore_index, (0,))
-    if C > 0:
+    stats, C, V = row_stats(student_logits, 4, labels, ignore_index, lse_columns=(0,))
+    if C and V:
         KL_DIV_STATS(student_logits, target, labels, stats, int(ignore_index), 1.0 / temperature, float(eps),
                      bool(log_target), **_launch(student_logits, target))
     return stats
