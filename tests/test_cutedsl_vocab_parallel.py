@@ -6,6 +6,7 @@ On the GPU (`pytest -m gpu`): statistics per slice, combined, then the gradient 
 formulas on the whole vocabulary (tests/vp_checks.py): one rank, uneven slices after an empty one, every option.
 """
 
+import inspect
 import sys
 
 import pytest
@@ -17,11 +18,11 @@ from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E
 from liger_dispatch.backends.cutedsl import vocab_parallel as vp  # noqa: E402
 from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows  # noqa: E402
-from liger_dispatch.registry.vocab_parallel import OPS  # noqa: E402
+from liger_dispatch.table import TABLE  # noqa: E402
 from cutedsl_checks import (check_compiled, cutedsl_impl, kl_target, run_probe, strided_rows,  # noqa: E402
                             validate_only)
 from kernel_checks import IGNORE, check_rows_relative, reference  # noqa: E402
-from vp_checks import check_empty_slice, run_ce, run_jsd, run_kl_div, uneven  # noqa: E402
+from vp_checks import OPS, check_empty_slice, run_ce, run_jsd, run_kl_div, uneven  # noqa: E402
 
 bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32
 COMPILE_CACHES = ("_ce_stats", "_ce_grad", "_jsd_stats", "_jsd_sums", "_jsd_grad", "_kl_div_stats", "_kl_div_grad")
@@ -30,10 +31,11 @@ COMPILE_CACHES = ("_ce_stats", "_ce_grad", "_jsd_stats", "_jsd_sums", "_jsd_grad
 # ---------------------------------------------------------------------------------------------- CPU
 
 
-def test_registered_for_every_op_with_one_capability():
+def test_registered_for_every_op_with_its_signature_and_one_capability():
     for op in OPS:
         impl = cutedsl_impl(op)
         assert impl.fn is getattr(vp, op) and impl.priority == _support.PRIORITY and impl.capability == vp.CAPABILITY
+        assert inspect.signature(impl.fn) == inspect.signature(TABLE.spec(op).check), op
 
 
 def test_capability_judges_the_slice_and_its_index_tensor_wherever_it_is_passed():

@@ -6,15 +6,17 @@ On the CPU they run under TRITON_INTERPRET=1 on tiny shapes, like tests/test_hel
 """
 
 import contextlib
+import inspect
 
 import pytest
 import torch
 
 from liger_dispatch.backends.helion import vocab_parallel as vp
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+from liger_dispatch.table import TABLE
 
 from kernel_checks import DEVICE, IGNORE, check, check_rows_relative, inputs, reference
-from vp_checks import SPLITS, UNEVEN, WITH_EMPTY, check_empty_slice, run_ce, run_jsd, run_kl_div, uneven
+from vp_checks import OPS, SPLITS, UNEVEN, WITH_EMPTY, check_empty_slice, run_ce, run_jsd, run_kl_div, uneven
 
 C, V = 5, 37
 logits, labels = inputs(C, V)
@@ -105,13 +107,11 @@ def test_empty_slices_launch_nothing():
     check_empty_slice(vp, DEVICE)
 
 
-def test_registered_for_every_op_with_the_backend_capability():
-    from liger_dispatch.registry.vocab_parallel import OPS
-    from liger_dispatch.table import TABLE
-
+def test_registered_for_every_op_with_its_signature_and_the_backend_capability():
     for op in OPS:
         (impl,) = [i for i in TABLE.candidates(op) if i.backend == "helion"]
         assert impl.fn is getattr(vp, op) and impl.capability == vp.CAPABILITY
+        assert inspect.signature(impl.fn) == inspect.signature(TABLE.spec(op).check), op
 
 
 @pytest.mark.gpu

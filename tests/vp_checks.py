@@ -10,6 +10,8 @@ import torch
 
 from kernel_checks import IGNORE
 
+OPS = ("ce_vp_stats", "ce_vp_grad", "jsd_vp_stats", "jsd_vp_sums", "jsd_vp_grad", "kl_div_vp_stats", "kl_div_vp_grad")
+
 # (start, stop) column slices of a vocabulary of V = 37 columns: one rank; three uneven ones, none a multiple of
 # a block; an empty slice first.
 ONE_RANK = ((0, 37),)
