@@ -187,9 +187,9 @@ def compile_times():
     from liger_dispatch.backends.cutedsl import ce, jsd, kl_div
 
     bf16, i64 = torch.bfloat16, torch.int64
-    keys = {"ce": (ce, (bf16, i64, 8, ce.TUNING, True, False, False)),
-            "jsd beta=0.5": (jsd, (bf16, bf16, i64, 8, jsd.TUNING, jsd.MIXTURE, True)),
-            "kl": (kl_div, (bf16, bf16, i64, 8, kl_div.TUNING, False, True))}
+    keys = {"ce": (ce, (bf16, i64, 8, ce.LAUNCH.default, True, False, False)),
+            "jsd beta=0.5": (jsd, (bf16, bf16, i64, 8, jsd.LAUNCH.default, jsd.MIXTURE, True)),
+            "kl": (kl_div, (bf16, bf16, i64, 8, kl_div.LAUNCH.default, False, True))}
     for name, (module, key) in keys.items():
         with check("compile", f"{name} bf16 compile time") as detail:
             t0 = time.perf_counter()
@@ -236,15 +236,17 @@ SWEEP = [(128, 4), (256, 2), (256, 4), (256, 8), (512, 2), (512, 4), (1024, 1), 
 
 
 def sweep(kernels, C, V, dtype):
-    """Time each kernel under several Tunings (checked against the reference first); the best is marked."""
+    """Time each kernel under several launch shapes (checked against the reference first); the best is marked."""
     from triton.testing import do_bench
 
-    from liger_dispatch.backends.cutedsl._row import Tuning
+    from liger_dispatch.backends.cutedsl import ce, jsd, kl_div
+
+    launches = {"ce": ce.LAUNCH, "jsd beta=0.5": jsd.LAUNCH, "kl": kl_div.LAUNCH}
 
     print(f"\nsweep: C={C} V={V} {dtype}: ms per (threads, unroll), with / without L2 hints")
     for case in cases(kernels, C, V, dtype):
         name, fn, make, kwargs, rows_fn, _ = case
-        if name not in ("ce", "jsd beta=0.5", "kl"):
+        if name not in launches:
             continue
         with check("sweep", f"{name} C={C} V={V}") as detail:
             inputs = make()
@@ -255,13 +257,13 @@ def sweep(kernels, C, V, dtype):
             times = {}
             for threads, unroll in SWEEP:
                 for hints in (True, False):
-                    tuning = Tuning(threads=threads, unroll=unroll, l2_hints=hints)
-                    x = pristine.clone()
-                    loss = fn(x, *inputs[1:], tuning=tuning, **kwargs)
-                    ok, text = compare(dtype, loss[rows], x[rows], ref_loss, ref_grad)
-                    if not ok:
-                        raise AssertionError(f"{tuning}: {text}")
-                    times[tuning] = do_bench(lambda: fn(*inputs, tuning=tuning, **kwargs), warmup=10, rep=50)
+                    with launches[name].using(threads=threads, unroll=unroll, l2_hints=hints) as knobs:
+                        x = pristine.clone()
+                        loss = fn(x, *inputs[1:], **kwargs)
+                        ok, text = compare(dtype, loss[rows], x[rows], ref_loss, ref_grad)
+                        if not ok:
+                            raise AssertionError(f"{knobs}: {text}")
+                        times[knobs] = do_bench(lambda: fn(*inputs, **kwargs), warmup=10, rep=50)
             best = min(times, key=times.get)
             cells = [f"{t.threads}/{t.unroll}{'' if t.l2_hints else ' nohint'} {ms:.3f}{' *' if t == best else ''}"
                      for t, ms in times.items()]
@@ -296,7 +298,7 @@ def launch_overhead(kernels, n=2000):
     with check("launch", "host overhead") as detail:
         loss = torch.empty(C, device=DEVICE)
         scale_flat, step = scale.reshape(1), 0
-        raw = ce._compiled(torch.bfloat16, torch.int64, 8, ce.TUNING, True, False, False)
+        raw = ce._compiled(torch.bfloat16, torch.int64, 8, ce.LAUNCH.default, True, False, False)
         args = (x, y, loss, scale_flat, step, -100, 0.0, 0.0, 1.0)
         timings = {
             "torch x.add_(1)": per_call(lambda: x.add_(1)),

@@ -70,9 +70,8 @@ def composition(case: shapes.Case, settings: measure.Settings) -> tuple[measure.
 
     def flce(*args, **kwargs):  # handle(*args, **kwargs), remembering the backend that served it
         nonlocal served
-        impl = handle.select(*args, **kwargs)
-        served = impl.backend
-        return impl.fn(*args, **kwargs)
+        served = handle.select(*args, **kwargs).backend
+        return handle(*args, **kwargs)
 
     outcomes = []
     measure.measure_case(case, [Provider("auto", lambda _: flce)], settings, measure.History(),

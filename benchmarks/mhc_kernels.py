@@ -13,8 +13,9 @@ Rows (CUDA graphs off):
   fwd+bwd        the two back to back
   mhc_coeffs fwd the user-level op through dispatch and autograd, forward only (the graph is built and freed)
   mhc_coeffs     the user-level op through dispatch and autograd, forward + torch.autograd.backward
-  autograd floor mhc_coeffs' autograd composition called directly around stand-ins for the kernel ops that only
-                 allocate their outputs: what PyTorch's autograd and the allocations cost, whatever the kernels
+  autograd floor mhc_coeffs through dispatch and autograd on the "floor" backend, stand-ins for the kernel ops that
+                 only allocate their outputs: what dispatch, PyTorch's autograd and the allocations cost, whatever
+                 the kernels
 Columns:
   time us   median wall time of one call (triton.testing.do_bench, L2 flushed before each repetition): what
             the GPU stream spends on the call, idle gaps waiting for the host included
@@ -29,6 +30,7 @@ compiled kernels directly); a mismatch exits 1.
 """
 
 import argparse
+import functools
 import importlib
 import itertools
 import statistics
@@ -39,9 +41,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
+import liger_dispatch as ld
 from liger_dispatch import dispatch
+from liger_dispatch.backends.reference import mhc as reference_mhc
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix
-from liger_dispatch.mhc import compose_mhc
 
 TMAX = 20
 OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0)
@@ -144,16 +147,21 @@ def host_us(fn, leaves, calls=200):
     return statistics.median(times) * 1e6
 
 
-def allocating_stand_ins():
-    """mhc_coeff_fwd / mhc_coeff_bwd stand-ins that allocate their outputs and launch nothing."""
+def register_floor_backend():
+    """The "floor" backend: mhc_coeff_fwd / mhc_coeff_bwd stand-ins (the ops' signatures) that allocate their
+    outputs and launch nothing; never picked unless pinned."""
+    floor = dict(backend="floor", priority=1000, capability=ld.Capability(devices=("cuda",)))
+
+    @ld.register_backend("mhc_coeff_fwd", **floor)
+    @functools.wraps(reference_mhc.mhc_coeff_fwd)
     def fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, **options):
         m, n = x.shape[0], hc * hc + 2 * hc
         return tuple(torch.empty(*s, device=x.device) for s in ((m, hc), (m, hc), (m, hc, hc), (m, n), (m,)))
 
+    @ld.register_backend("mhc_coeff_bwd", **floor)
+    @functools.wraps(reference_mhc.mhc_coeff_bwd)
     def bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *saved_and_grads, hc, **options):
         return tuple(torch.empty_like(t) for t in (x, phi, b, alpha_pre, alpha_post, alpha_res))
-
-    return fwd, bwd
 
 
 def floor_bytes(m, k, hc, x_bytes):
@@ -164,17 +172,19 @@ def floor_bytes(m, k, hc, x_bytes):
     return fwd, bwd
 
 
-def sweep(name, configs, fn, reference_out):
-    """Time fn(config) for each config; a config that fails to compile or disagrees with the default is shown."""
+def sweep(name, launch, configs, fn, reference_out):
+    """Time fn() with each config of launch knobs set; a config that fails to compile or disagrees with the default
+    is shown."""
     rows = []
     for cfg in configs:
         try:
-            out = fn(cfg)
-            errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
-            if max(errs) > 1e-2:
-                rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
-                continue
-            rows.append((do_bench(lambda: fn(cfg)), cfg, ""))
+            with launch.using(**cfg):
+                out = fn()
+                errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
+                if max(errs) > 1e-2:
+                    rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
+                    continue
+                rows.append((do_bench(fn), cfg, ""))
         except Exception as exc:  # too much shared memory, say: report and go on
             rows.append((float("inf"), cfg, type(exc).__name__))
     rows.sort(key=lambda r: r[0])
@@ -202,7 +212,8 @@ def main():
     header = (f"  {'':14} {'time us':>9} {'gpu us':>8} {'host us':>8} {'launches':>8} {'floor us':>9} "
               f"{'time/floor':>10}")
     ok = True
-    floor_op = compose_mhc(*allocating_stand_ins())
+    register_floor_backend()
+    floor_op = dispatch.op("mhc_coeffs", backend="floor")
     for (b, t, hc, c), backend in itertools.product(args.shapes, args.backends):
         mhc = importlib.import_module(f"liger_dispatch.backends.{backend}.mhc")
         user_op = dispatch.op("mhc_coeffs", backend=backend)
@@ -218,12 +229,11 @@ def main():
 
         saved = mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
 
-        def fwd(config=None):
-            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS, **({"config": config} if config else {}))
+        def fwd():
+            return mhc.mhc_coeff_fwd(x2, phi, bias, *alphas, hc=hc, **OPTIONS)
 
-        def bwd(config=None):
-            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, **OPTIONS,
-                                     **({"config": config} if config else {}))
+        def bwd():
+            return mhc.mhc_coeff_bwd(x2, phi, bias, *alphas, saved[3], saved[4], *ups, hc=hc, **OPTIONS)
 
         def fwd_bwd():
             out = fwd()
@@ -252,8 +262,8 @@ def main():
                   f"{us / floor_us:10.2f}")
         if args.sweep:
             fwd_configs, bwd_configs = SWEEPS[backend]
-            sweep("fwd", fwd_configs, fwd, fwd())
-            sweep("bwd", bwd_configs, bwd, bwd())
+            sweep("fwd", mhc.FWD_LAUNCH, fwd_configs, fwd, fwd())
+            sweep("bwd", mhc.BWD_LAUNCH, bwd_configs, bwd, bwd())
     print(f"\n{time.perf_counter() - started:.0f} s")
     sys.exit(0 if ok else 1)
 

@@ -17,7 +17,12 @@ from benchmarks.shapes import MODEL_OPS, Case
 EAGER = "torch"
 COMPILED = "torch.compile"
 REFERENCE = "reference"
-_NOT_OURS = {EAGER, COMPILED, *peers.PEERS}
+# Our auto selection called from code that torch.compile compiles (fullgraph), and the same under
+# mode="reduce-overhead" (CUDA graphs): the ops inside a compiled training step.
+OURS_COMPILED = "ours:compile"
+OURS_GRAPHED = "ours:cudagraphs"
+_OURS_TRACED = {OURS_COMPILED: "default", OURS_GRAPHED: "reduce-overhead"}
+_NOT_OURS = {EAGER, COMPILED, *_OURS_TRACED, *peers.PEERS}
 # Arguments whose first dimension is N: kept dynamic so one compilation serves the whole N sweep.
 _ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3)}
 
@@ -68,6 +73,32 @@ class _Compiled:
         return call
 
 
+class _OursTraced:
+    """dispatch.op(case.op) inside a torch.compile(fullgraph=True) region, one per op (N dynamic)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._fns: dict[str, Callable] = {}
+
+    def __call__(self, case: Case) -> Callable:
+        fn = self._fns.get(case.op)
+        if fn is None:
+            from liger_dispatch import dispatch
+
+            handle = dispatch.op(case.op)
+            compiled = torch.compile(lambda *a, **k: handle(*a, **k), fullgraph=True, mode=self.mode)
+            rows = _ROW_ARGS.get(case.op, ())
+
+            def fn(*args, **kwargs):
+                for i in rows:
+                    if isinstance(args[i], torch.Tensor):
+                        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+                return compiled(*args, **kwargs)
+
+            self._fns[case.op] = fn
+        return fn
+
+
 def _dispatched(backend: str) -> Callable[[Case], Callable]:
     def build(case: Case) -> Callable:
         from liger_dispatch import dispatch
@@ -116,6 +147,9 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype,
         if requested is None or backend in requested:
             skipped.append((backend, f"not available: {reason}"))
     chosen += [Provider(EAGER, _eager), Provider(COMPILED, _Compiled())]
+    if device.type == "cuda":
+        chosen += [Provider(name, _OursTraced(mode), f"auto selection, torch.compile mode={mode}")
+                   for name, mode in _OURS_TRACED.items()]
     for name, peer in peers.PEERS.items():
         if requested is not None and name not in requested:
             continue

@@ -4,8 +4,10 @@
     python benchmarks/triton_loss_kernels.py --sweep         # also time (BLOCK, num_warps, num_stages) variants
 
 Each kernel is first checked against the float64 formulas on a few rows (first and last); any mismatch exits 1.
-"model GB" is what the kernel's passes move if no pass hits L2 (every pass reads each input row, then one write
-of the gradient); "min GB" is the floor of any loss-and-gradient kernel (each input read once, one write).
+"model GB" is what the kernel's passes move if no pass hits L2 (each pass reads its inputs' rows, each gradient
+pass writes the row); "min GB" is the floor of any loss-and-gradient kernel (each input read once, one write).
+GB/s above the copy bandwidth means later passes hit L2. The kl rows compare the target read once and twice
+(kl_div.py) on fp32 and 16-bit targets, and the fix-up pass a target that does not sum to 1 takes.
 """
 
 import argparse
@@ -16,18 +18,21 @@ import triton
 from triton.testing import do_bench
 
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+from liger_dispatch.backends.triton import ce, jsd, kl_div
 from liger_dispatch.backends.triton.ce import ce_loss_and_grad
 from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
 from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
 
 CHECK_ROWS = [0, 1, -2, -1]
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 SWEEP = [(4096, 8, 3), (8192, 8, 3), (8192, 16, 1), (8192, 16, 2), (8192, 16, 3), (8192, 32, 3), (16384, 16, 3),
          (16384, 32, 1), (16384, 32, 3), (32768, 32, 1)]
 
 
-def cases(C, V, dtype):
-    """(name, passes, make_inputs, run, reference_rows); inputs[0] is the buffer that receives the gradient."""
-    dev = "cuda"
+def cases(C, V, dtype, dev="cuda"):
+    """(name, reads, writes, make_inputs, run, reference_rows, launch knobs, the knobs the case sets): reads[k] is
+    how many passes read inputs[k] (the 2-D ones), writes how many times the gradient is written; inputs[0] is the
+    buffer that receives it."""
 
     def logits():
         return torch.randn(C, V, device=dev, dtype=dtype) * 3.0
@@ -35,36 +40,44 @@ def cases(C, V, dtype):
     def target():
         return torch.randint(0, V, (C,), device=dev)
 
-    def probs():
-        return torch.softmax(torch.randn(C, V, device=dev) * 3.0, dim=-1).to(dtype)
+    def probs(target_dtype, mass=1.0):
+        return (torch.softmax(torch.randn(C, V, device=dev) * 3.0, dim=-1) * mass).to(target_dtype)
 
     scale = torch.tensor(1.0 / C, device=dev)
     opts = dict(label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4)
     out = [
-        ("ce", 2, lambda: (logits(), target()),
-         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **k), lambda x, y: ce_rows(x, y)),
-        ("ce smooth+cap+z", 2, lambda: (logits(), target()),
-         lambda x, y, **k: ce_loss_and_grad(x, y, grad_scale=scale, **opts, **k), lambda x, y: ce_rows(x, y, **opts)),
+        ("ce", (2,), 1, lambda: (logits(), target()),
+         lambda x, y: ce_loss_and_grad(x, y, grad_scale=scale), lambda x, y: ce_rows(x, y), ce.LAUNCH, {}),
+        ("ce smooth+cap+z", (2,), 1, lambda: (logits(), target()),
+         lambda x, y: ce_loss_and_grad(x, y, grad_scale=scale, **opts), lambda x, y: ce_rows(x, y, **opts), ce.LAUNCH,
+         {}),
     ]
     for beta in (0.0, 0.5, 1.0):
-        out.append((f"jsd beta={beta:g}", 3 if beta not in (0.0, 1.0) else 2, lambda: (logits(), logits(), target()),
-                    lambda s, t, y, b=beta, **k: jsd_loss_and_grad(s, t, y, beta=b, temperature=2.0, grad_scale=scale,
-                                                                   **k),
-                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0)))
-    out.append(("kl", 2, lambda: (logits(), probs(), target()),
-                lambda s, q, y, **k: kl_div_loss_and_grad(s, q, y, temperature=2.0, grad_scale=scale, **k),
-                lambda s, q, y: kl_div_rows(s, q, y, temperature=2.0)))
+        passes = 3 if beta not in (0.0, 1.0) else 2
+        out.append((f"jsd beta={beta:g}", (passes, passes), 1, lambda: (logits(), logits(), target()),
+                    lambda s, t, y, b=beta: jsd_loss_and_grad(s, t, y, beta=b, temperature=2.0, grad_scale=scale),
+                    lambda s, t, y, b=beta: jsd_rows(s, t, y, beta=b, temperature=2.0), jsd.LAUNCH, {}))
+    # kl: the target read twice or once (kl_div.py); "q*0.9" sums to 0.9, so reading it once needs the fix-up pass.
+    for target_dtype, mass, reads in ((torch.float32, 1.0, 1), (torch.float32, 1.0, 2), (torch.float32, 0.9, 1),
+                                      (dtype, 1.0, 2), (dtype, 1.0, 1)):
+        fixed_up = reads == 1 and (mass != 1.0 or target_dtype.itemsize < 4)
+        name = f"kl q={SHORT[target_dtype]}{'*0.9' if mass != 1.0 else ''} {reads}rd{'+fix' if fixed_up else ''}"
+        out.append((name, (3, 2) if fixed_up else (2, reads), 2 if fixed_up else 1,
+                    lambda td=target_dtype, ms=mass: (logits(), probs(td, ms), target()),
+                    lambda s, q, y: kl_div_loss_and_grad(s, q, y, temperature=2.0, grad_scale=scale),
+                    lambda s, q, y: kl_div_rows(s, q, y, temperature=2.0), kl_div.LAUNCH, {"target_reads": reads}))
     return out
 
 
-def traffic(inputs, passes):
+def traffic(inputs, reads, writes):
     """(model bytes, minimum bytes) of one call."""
-    reads = sum(t.numel() * t.element_size() for t in inputs if t.dim() == 2)
-    write = inputs[0].numel() * inputs[0].element_size()
-    return passes * reads + write, reads + write
+    matrices = [t for t in inputs if t.dim() == 2]
+    gradient = inputs[0].numel() * inputs[0].element_size()
+    model = sum(r * t.numel() * t.element_size() for r, t in zip(reads, matrices)) + writes * gradient
+    return model, sum(t.numel() * t.element_size() for t in matrices) + gradient
 
 
-def check(name, inputs, run, reference_rows, scale, **launch):
+def check(name, inputs, run, reference_rows, scale):
     """Run once on a copy and compare CHECK_ROWS with the float64 formulas; False (and a message) on mismatch."""
     rows = torch.tensor(CHECK_ROWS, device=inputs[0].device) % inputs[0].shape[0]
     picked = [t[rows] for t in inputs]
@@ -72,14 +85,13 @@ def check(name, inputs, run, reference_rows, scale, **launch):
     expected = reference_rows(x64, *picked[1:])
     (expected_grad,) = torch.autograd.grad(expected, x64, torch.full_like(expected, scale))
     x = inputs[0].clone()
-    loss = run(x, *inputs[1:], **launch)
+    loss = run(x, *inputs[1:])
     loss_err = (loss[rows].double() - expected.detach()).abs().max().item()
     grad_err = (x[rows].double() - expected_grad).abs() / (expected_grad.abs() + 1e-3 * expected_grad.abs().max())
     grad_err = grad_err.max().item()
     ok = loss_err <= 1e-3 and grad_err <= 2e-2
     if not ok:
-        print(f"MISMATCH {name} {launch or ''}: max |loss err| {loss_err:.3e}, max rel grad err {grad_err:.3e}",
-              file=sys.stderr)
+        print(f"MISMATCH {name}: max |loss err| {loss_err:.3e}, max rel grad err {grad_err:.3e}", file=sys.stderr)
     return ok
 
 
@@ -98,24 +110,25 @@ def main():
           f"C={args.rows} V={args.vocab} {args.dtype} | peak {args.peak_gbs:.0f} GB/s")
 
     all_ok = True
-    header = f"{'kernel':<18}{'config':>14}{'ms':>9}{'model GB':>10}{'GB/s':>8}{'% peak':>8}{'min GB':>8}{'GB/s':>8}"
+    header = f"{'kernel':<22}{'config':>14}{'ms':>9}{'model GB':>10}{'GB/s':>8}{'% peak':>8}{'min GB':>8}{'GB/s':>8}"
     print(header)
     print("-" * len(header))
-    for name, passes, make, run, reference_rows in cases(args.rows, args.vocab, dtype):
+    for name, reads, writes, make, run, reference_rows, launch, case_knobs in cases(args.rows, args.vocab, dtype):
         inputs = make()
-        model, minimum = traffic(inputs, passes)
+        model, minimum = traffic(inputs, reads, writes)
         for config in [None] + (SWEEP if args.sweep else []):
-            launch = {} if config is None else dict(zip(("block_size", "num_warps", "num_stages"), config))
+            knobs = {} if config is None else dict(zip(("block_size", "num_warps", "num_stages"), config))
             label = "default" if config is None else "/".join(map(str, config))
-            try:
-                ok = check(name, inputs, run, reference_rows, 1.0 / args.rows, **launch)
-            except triton.runtime.errors.OutOfResources as e:  # a sweep point too large for this GPU
-                print(f"{name:<18}{label:>14}  skipped: {e}")
-                continue
+            with launch.using(**case_knobs, **knobs):
+                try:
+                    ok = check(f"{name} {label}", inputs, run, reference_rows, 1.0 / args.rows)
+                except triton.runtime.errors.OutOfResources as e:  # a sweep point too large for this GPU
+                    print(f"{name:<22}{label:>14}  skipped: {e}")
+                    continue
+                ms = do_bench(lambda: run(*inputs), warmup=25, rep=200)
             all_ok &= ok
-            ms = do_bench(lambda: run(*inputs, **launch), warmup=25, rep=200)
             gbs = model / ms / 1e6
-            print(f"{name:<18}{label:>14}{ms:9.3f}{model / 1e9:10.2f}{gbs:8.0f}{100 * gbs / args.peak_gbs:7.0f}%"
+            print(f"{name:<22}{label:>14}{ms:9.3f}{model / 1e9:10.2f}{gbs:8.0f}{100 * gbs / args.peak_gbs:7.0f}%"
                   f"{minimum / 1e9:8.2f}{minimum / ms / 1e6:8.0f}{'' if ok else '  MISMATCH'}")
         inputs = None  # frees the rows before the next size
         torch.cuda.empty_cache()

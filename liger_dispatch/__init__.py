@@ -8,8 +8,8 @@ selected per call by the inputs' device, compute capability and dtype.
 from liger_dispatch import dispatch
 from liger_dispatch.capability import Capability
 from liger_dispatch.dispatch import available_backends, op, registered_backends
-from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, InputError, LigerDispatchError,
-                                   UnknownBackendError, UnknownOpError)
+from liger_dispatch.errors import (BackendUnavailableError, ConfigError, FallbackWarning, InputError,
+                                   LigerDispatchError, UnknownBackendError, UnknownOpError)
 from liger_dispatch.selection import use_backend
 from liger_dispatch.table import declare_op_locations, register_backend
 from liger_dispatch import registry  # noqa: E402  (declares every op; imports no backend)
@@ -17,7 +17,7 @@ from liger_dispatch import registry  # noqa: E402  (declares every op; imports n
 __all__ = [
     "dispatch", "op", "available_backends", "registered_backends", "use_backend", "register_backend",
     "declare_op_locations", "Capability", "LigerDispatchError", "UnknownOpError", "UnknownBackendError",
-    "BackendUnavailableError", "InputError", "FallbackWarning", "nn",
+    "BackendUnavailableError", "ConfigError", "InputError", "FallbackWarning", "nn",
 ]
 
 
@@ -26,4 +26,11 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("liger_dispatch.nn")
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            return metadata.version("liger-dispatch")
+        except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+            return "0+unknown"
     raise AttributeError(f"module 'liger_dispatch' has no attribute {name!r}")

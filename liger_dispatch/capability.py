@@ -22,6 +22,16 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     return cc
 
 
+def default_device() -> torch.device:
+    """The device a question about "here" is about: CUDA when this machine has one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What training runs in on that device: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _module_missing(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is None
@@ -31,6 +41,15 @@ def _module_missing(name: str) -> bool:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def device_reason(devices: Sequence[str], device_type: str) -> Optional[str]:
+    """Why an implementation accepting tensors on `devices` (empty: any) turns down `device_type` ones, or None."""
+    if not devices or device_type in devices:
+        return None
+    if device_type == "cpu" and "cuda" in devices:
+        return f"needs a CUDA device, got {device_type} tensors"
+    return f"needs a {'/'.join(devices)} device, got {device_type} tensors"
 
 
 @dataclass(frozen=True)
@@ -52,12 +71,14 @@ class Capability:
     modules: Sequence[str] = ()
     predicate: Optional[Callable[..., Optional[str]]] = field(default=None, compare=False)
 
+    def accepts_device_type(self, device_type: str) -> bool:
+        return device_reason(self.devices, device_type) is None
+
     def static_reason(self, device: torch.device, dtypes: Sequence[torch.dtype]) -> Optional[str]:
         """Why this capability rejects calls on `device` with these floating dtypes, or None."""
-        if self.devices and device.type not in self.devices:
-            if device.type == "cpu" and "cuda" in self.devices:
-                return f"needs a CUDA device, got {device.type} tensors"
-            return f"needs a {'/'.join(self.devices)} device, got {device.type} tensors"
+        reason = device_reason(self.devices, device.type)
+        if reason is not None:
+            return reason
         cc = device_capability(device)
         if cc is not None:
             if self.min_cc is not None and cc < tuple(self.min_cc):

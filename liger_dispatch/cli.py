@@ -1,26 +1,45 @@
-"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run."""
+"""`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run;
+`... tune`: time the backends here and write a tuned table (liger_dispatch/tune.py)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
 
-from liger_dispatch.capability import dtype_name
+from liger_dispatch import settings, tune
+from liger_dispatch.capability import default_device, default_dtype, dtype_name
+from liger_dispatch.errors import LigerDispatchError
+
+PROG = "python -m liger_dispatch"
 
 
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def device_problem(name: str) -> Optional[str]:
+    """Why --device `name` cannot be evaluated on this machine, or None."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name!r} is not a device; expected cpu, cuda or cuda:N"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"--device {name!r}: liger-dispatch's backends run on cpu or cuda devices"
+    if not torch.cuda.is_available():
+        build = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA device"
+        return f"--device {name!r}: this torch ({torch.__version__}) {build}; use --device cpu"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
-def _short(reason: str, width: int = 60) -> str:
+def _short(reason: str, width: int = 110) -> str:
     if " failed to import (" in reason:
         reason = "import failed: " + reason.split(" failed to import (", 1)[1].rstrip(")")
     return reason if len(reason) <= width else reason[: width - 1] + "…"
@@ -34,12 +53,12 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     from liger_dispatch.dispatch import backend_status
     from liger_dispatch.table import TABLE
 
-    console = Console(width=max(Console().width, 150))
+    console = Console()
     backends = TABLE.backend_names()
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "no GPU"
     table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}",
                   show_lines=True)
-    table.add_column("op")
+    table.add_column("op", overflow="fold")
     for backend in backends:
         table.add_column(backend, overflow="fold")
     for level in ("user", "kernel"):
@@ -65,26 +84,52 @@ def matrix(device: str, dtype: torch.dtype) -> None:
         console.print(f"[dim]{module}: {error}[/dim]")
     env = {k: v for k, v in os.environ.items() if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     console.print(f"environment: {env or 'no LIGER_* variables set'}")
+    from liger_dispatch.selection import env_key
+
+    for name in settings.unknown_variables(env_key(op) for op in TABLE.op_names()):
+        console.print(f"[yellow]{name} is not a variable liger-dispatch reads (a typo?)[/yellow]")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     where = argparse.ArgumentParser(add_help=False)  # given before or after the subcommand
     where.add_argument("--device", default=argparse.SUPPRESS, help="cuda or cpu (default: cuda when there is one)")
-    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=["bf16", "fp16", "fp32"],
+    where.add_argument("--dtype", default=argparse.SUPPRESS, choices=list(DTYPES),
                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
-    parser = argparse.ArgumentParser(prog="python -m liger_dispatch", description=__doc__, parents=[where])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", parents=[where], help="a short distillation + LM-head training run on this machine")
-    demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"], help="distillation loss")
+    demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
+    demo.add_argument("--model", default="llama", choices=["llama", "mhc"],
+                      help="llama: a tiny Hugging Face Llama trained with the patched loss, then distilled into a "
+                           "smaller one (needs the `demo` extra); mhc: a small LM with an mHC block, no extras")
+    demo.add_argument("--steps", type=int, help="training steps (default: 60 per phase for llama, 30 for mhc)")
+    demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"],
+                      help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
+    demo.add_argument("--png", type=Path, default=Path("liger-dispatch-demo.png"),
+                      help="where the llama demo writes its loss curves")
+    tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
     args = parser.parse_args(argv)
-    device = getattr(args, "device", None) or default_device()
-    dtype = _dtype(getattr(args, "dtype", None) or ("bf16" if device.startswith("cuda") else "fp32"))
-    if args.command == "demo":
-        from liger_dispatch.demo import run
+    device = getattr(args, "device", None) or str(default_device())
+    problem = device_problem(device)
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else default_dtype(torch.device(device))
+    try:
+        settings.check_all()
+        if args.command == "demo" and args.model == "mhc":
+            from liger_dispatch.demo import run
 
-        return run(steps=args.steps, device=device, dtype=dtype, distill=args.loss)
-    matrix(device, dtype)
+            return run(steps=args.steps or 30, device=device, dtype=dtype, distill=args.loss)
+        if args.command == "demo":
+            from liger_dispatch.demo_llama import run
+
+            return run(steps=args.steps or 60, device=device, dtype=dtype, distill=args.loss, png=args.png)
+        if args.command == "tune":
+            return tune.run(args, device, dtype)
+        matrix(device, dtype)
+    except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

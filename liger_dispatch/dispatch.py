@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import selection
+from liger_dispatch import autocast, check_cache, discovery, selection, torch_ops, vocab_parallel
+from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
 
@@ -25,26 +27,47 @@ class Explanation:
 
 
 class OpHandle:
-    """A callable for one op, optionally pinned to backends; checks inputs, selects, calls."""
+    """A callable for one op, optionally pinned to backends: binds and checks the arguments against the op's
+    schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
+    torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_check")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
         self.pinned = selection.parse_backends(backend)
-        self._check = TABLE.spec(self.name).check
+        self._spec = TABLE.spec(self.name)
+        self._backend_arg = ",".join(self.pinned) or None
+        self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # a DTensor weight: its local slices
+
+    def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
+        a = self._spec.schema.bind(args, kwargs)
+        if self._spec.autocast and autocast.active(self._spec, a):
+            a, args, kwargs = autocast.cast(self._spec, a)
+        if tracing:  # fake tensors, maybe symbolic sizes: the check is traced, not memoized
+            self._spec.check(a)
+        else:
+            check_cache.check(self._spec, a)
+        return a, args, kwargs
 
     def __call__(self, *args, **kwargs):
-        self._check(*args, **kwargs)
-        return selection.select(self.name, self.pinned, args, kwargs).fn(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs, tracing=True)[0])
+        a, args, kwargs = self._bound(args, kwargs)
+        if self._vocab_parallel:
+            a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
+        if not autocast.enabled():
+            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
+        with autocast.disabled(a):
+            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""
-        self._check(*args, **kwargs)
+        _, args, kwargs = self._bound(args, kwargs)
         return selection.select(self.name, self.pinned, args, kwargs)
 
     def explain(self, *args, **kwargs) -> Explanation:
-        self._check(*args, **kwargs)
+        _, args, kwargs = self._bound(args, kwargs)
         return Explanation(*selection.explain_lines(self.name, self.pinned, args, kwargs))
 
     def __repr__(self) -> str:
@@ -81,6 +104,9 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     impls = TABLE.candidates(name)
     for backend in registered_backends(name):
         mine = [i for i in impls if i.backend == backend]
+        status[backend] = discovery.out_of_reach(backend, device.type)
+        if status[backend] is not None:
+            continue
         if not mine:
             status[backend] = TABLE.unavailable_reason(name, backend)
             continue
@@ -89,10 +115,19 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     return status
 
 
-def available_backends(op_name: str, device: Union[str, torch.device] = "cuda",
-                       dtype: torch.dtype = torch.bfloat16) -> list[str]:
-    """Backends that can serve the op on this device and dtype here, best first (reference last)."""
+def available_backends(op_name: str, device: Union[None, str, torch.device] = None,
+                       dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Backends that can serve the op on this device and dtype here, best first (reference last).
+
+    device defaults to this machine's (CUDA when it has one, else the CPU), dtype to bf16 on CUDA and fp32 on the
+    CPU. Asking about CUDA on a machine without it warns, and the answer is [].
+    """
     name = TABLE.canonical(op_name)
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    if device.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn(f"available_backends({op_name!r}, device={str(device)!r}): this machine has no CUDA device, "
+                      "so no backend is available there", stacklevel=2)
     status = backend_status(name, device, dtype)
     best_first = dict.fromkeys(i.backend for i in TABLE.candidates(name))  # candidates are sorted by priority
     return reference_last([b for b in best_first if status.get(b, "") is None])

@@ -7,7 +7,15 @@ for scalar reductions; reduction="none" recomputes in the backward with the per-
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
-launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning).
+launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). With LIGER_CHUNK_OVERLAP on,
+each chunk's loss kernel runs on a second CUDA stream, in two parts, overlapping the GEMMs (loss_stream.py).
+
+Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
+kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
+rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
+for every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take
+`process_group` because the op's schema has it; the dispatcher sends a call that sets it to the vocab-parallel
+driver, which builds them with the shard.
 """
 
 from __future__ import annotations
@@ -17,30 +25,18 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch.selection import getenv
+from liger_dispatch import grad_bounds, settings
+from liger_dispatch.loss_stream import LossStream
 
-DEFAULT_BUDGET_MB = 512
 ROW_ALIGN = 64
-# fp16 gradient buffers: per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal
-# (6e-5) and lose their digits. There the kernels write the gradient scaled so its largest weight is this
-# (|d loss_i / d logit| <= ~2, so the buffer stays far from fp16's 65504), and the GEMM outputs are scaled back.
-FP16_GRAD_PEAK = 4096.0
-
-
-def split_scale(grad_scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the scale the kernel applies, the scale applied to dX / dW / db afterwards, or None)."""
-    if dtype != torch.float16:
-        return grad_scale, None
-    peak = grad_scale.abs().amax().clamp_min(1e-30)
-    return grad_scale * (FP16_GRAD_PEAK / peak), peak / FP16_GRAD_PEAK
 
 
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
-    forced = getenv("LIGER_CHUNK_ROWS")
+    forced = settings.CHUNK_ROWS.get()
     if forced:
-        return max(1, min(int(forced), n_rows))
-    budget = float(getenv("LIGER_CHUNK_BUDGET_MB") or DEFAULT_BUDGET_MB) * 2**20
+        return max(1, min(forced, n_rows))
+    budget = settings.CHUNK_BUDGET_MB.get() * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:
         return max(n_rows, 1)
@@ -52,6 +48,7 @@ class _WeightGrad:
     """dW accumulated over chunks: the first chunk writes, the next ones addmm in place."""
 
     def __init__(self, weight: torch.Tensor, accum_dtype: Optional[torch.dtype]):
+        self.weight = weight
         self.dtype = accum_dtype or weight.dtype
         self.out_dtype = weight.dtype
         self.value: Optional[torch.Tensor] = None
@@ -71,9 +68,9 @@ class _WeightGrad:
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
 
-    def result(self, unscale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        if self.value is None:
-            return None
+    def result(self, unscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.value is None:  # no chunk ran: an empty batch
+            return torch.zeros_like(self.weight)
         return (self.value if unscale is None else self.value * unscale).to(self.out_dtype)
 
 
@@ -86,39 +83,61 @@ def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
-               extra_bytes_per_logit: int = 0, want_dx: bool, want_dw: bool, want_db: bool,
-               accum_dtype: Optional[torch.dtype] = None):
+               row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
+    row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
     n, vocab = x.shape[0], weight.shape[0]
-    kernel_scale, unscale = split_scale(grad_scale, x.dtype)
+    kernel_scale, unscale = grad_scale, None
+    if x.dtype == torch.float16 and n > 0:
+        bound = row_bound() if vocab_parallel is None else vocab_parallel.bound_over_ranks(row_bound, x, vocab)
+        if vocab:  # an empty vocabulary slice (vocab-parallel) writes no gradient
+            kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
     if unscale is not None:
         accum_dtype = torch.float32
-    rows = chunk_rows(n, vocab, x.element_size() + extra_bytes_per_logit)
+    widest = vocab if vocab_parallel is None else vocab_parallel.widest
+    rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
     losses = []
+    stream = LossStream(x.device)  # the loss kernels overlap the GEMMs (loss_stream.py) where it is active
+    stream.adopt(buffer)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         logits = buffer[: end - start]
         x_c = x[start:end]
-        _linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+        parts = []
+        for part_start, part_end in stream.parts(start, end):
+            part = buffer[part_start - start: part_end - start]
+            _linear_into(x[part_start:part_end], weight, bias, part)
+            scale = kernel_scale[part_start:part_end] if kernel_scale.dim() else kernel_scale
+            part_losses, done = stream.run(chunk_loss, part, part_start, part_end, scale)
+            losses.append(part_losses)
+            parts.append((part, part_start, part_end, done))
+        for part, part_start, part_end, done in parts:
+            stream.wait(done)
+            if dx is not None:
+                torch.mm(part, weight, out=dx[part_start:part_end])
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
-    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
+    if len(losses) == 1:
+        loss_rows = losses[0]
+    else:  # several chunks, or none (an empty batch)
+        loss_rows = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float32, device=x.device)
     if unscale is not None:
         for grad in (dx, db):
             if grad is not None:
                 grad.mul_(unscale)
+    if dx is not None and vocab_parallel is not None:
+        vocab_parallel.sum_over_ranks(dx)
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
@@ -129,34 +148,8 @@ def _valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, devi
     return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
 
 
-def _scale_grads(grad_output: torch.Tensor, *grads):
-    """Multiplies the saved gradients by the incoming scalar grad_output (skipped when it is 1)."""
-    if float(grad_output) == 1.0:  # one sync; saves a full pass over dW in the common case
-        return grads
-    return tuple(None if g is None else g * grad_output.to(g.dtype) for g in grads)
-
-
 def _flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
     return t.reshape(-1) if last is None else t.reshape(-1, last)
-
-
-class _FusedLinearLoss(torch.autograd.Function):
-    """Autograd around run_chunks for a scalar-reduced loss: the gradient is computed in the forward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, run, grad_enabled):  # run(want_dx, want_dw, want_db) -> (loss, dx, dw, db)
-        want = [grad_enabled and w for w in ctx.needs_input_grad]  # needs_input_grad ignores no_grad()
-        loss, dx, dw, db = run(want[0], want[1], want[2] and bias is not None)
-        ctx.input_shape = x.shape
-        ctx.save_for_backward(dx, dw, db)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        dx, dw, db = _scale_grads(grad_output, *ctx.saved_tensors)
-        if dx is not None:
-            dx = dx.view(ctx.input_shape)
-        return dx, dw, db, None, None
 
 
 def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callable:
@@ -164,99 +157,93 @@ def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callabl
     return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
 
 
-def compose_flce(kernel: Callable) -> Callable:
-    """flce from a backend's ce_loss_and_grad."""
+def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]:
+    return lambda: grad_bounds.ce(x, weight, bias, softcap=options["softcap"],
+                                  lse_square_scale=options["lse_square_scale"])
+
+
+def _wanted(need_grads, count: int) -> list[bool]:
+    """need_grads as `count` flags (missing ones are False)."""
+    return ([bool(w) for w in need_grads] + [False] * count)[:count]
+
+
+def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
+    """flce from a backend's ce_loss_and_grad (or its vocab-parallel stand-in, with the shard): (loss, grad_input,
+    grad_weight, grad_bias), the gradients of the ones `need_grads` asks for (else None); with row_weights, the
+    loss is sum_i w_i loss_i."""
 
     def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-             softcap=None, lse_square_scale=0.0, accum_dtype=None):
+             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
+             row_weights=None):
+        want_dx, want_dw, want_db = _wanted(need_grads, 3)
         x = _flat(input, input.shape[-1])
         labels = _flat(target).long()
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale)
-        if reduction == "none":
-            return _FlceNoReduction.apply(x, weight, bias, labels, kernel, options, accum_dtype).view(target.shape)
-        if reduction == "mean":
+        if row_weights is not None:
+            scale = _flat(row_weights).to(torch.float32)
+        elif reduction == "mean":
             scale = 1.0 / _valid_count(labels, x.shape[0], ignore_index, x.device)
         else:
             scale = torch.ones((), device=x.device)
-
-        def run(want_dx, want_dw, want_db):
-            rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
-                                          want_dw=want_dw, want_db=want_db, accum_dtype=accum_dtype)
-            loss = rows.sum() * scale
-            return loss, dx, dw, (db.to(bias.dtype) if db is not None else None)
-
-        return _FusedLinearLoss.apply(input, weight, bias, run, torch.is_grad_enabled())
+        rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
+                                      want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype,
+                                      row_bound=_ce_bound(x, weight, bias, options), vocab_parallel=vocab_parallel)
+        if reduction == "none" and row_weights is None:
+            loss = rows.view(target.shape)
+        else:
+            loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
+        return (loss, None if dx is None else dx.view(input.shape), dw,
+                None if db is None else db.to(bias.dtype))
 
     return flce
 
 
-class _FlceNoReduction(torch.autograd.Function):
-    """reduction="none": per-row losses forward; the backward recomputes with the per-row grad_output."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, labels, kernel, options, accum_dtype):
-        ones = torch.ones((), device=x.device)
-        rows, _, _, _ = run_chunks(x, weight, bias, ones, _ce_chunks(kernel, labels, options), want_dx=False,
-                                   want_dw=False, want_db=False)
-        ctx.save_for_backward(x, weight, bias, labels)
-        ctx.kernel, ctx.options, ctx.accum_dtype = kernel, options, accum_dtype
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        x, weight, bias, labels = ctx.saved_tensors
-        scale = grad_rows.reshape(-1).to(torch.float32)
-        want = ctx.needs_input_grad
-        _, dx, dw, db = run_chunks(
-            x, weight, bias, scale, _ce_chunks(ctx.kernel, labels, ctx.options), want_dx=want[0], want_dw=want[1], want_db=want[2] and bias is not None, accum_dtype=ctx.accum_dtype)
-        return dx, dw, (db.to(bias.dtype) if db is not None else None), None, None, None, None
-
-
-def compose_jsd(kernel: Callable) -> Callable:
+def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
 
     def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                          jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                         accum_dtype=None):
+                         accum_dtype=None, process_group=None, need_grads=()):
+        want_dx, want_dw = _wanted(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
-        xt = _flat(teacher_input, teacher_input.shape[-1]).detach()
-        wt = teacher_weight.detach()
+        xt = _flat(teacher_input, teacher_input.shape[-1])
         labels = None if shift_labels is None else _flat(shift_labels).long()
         count = _valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
         scale = factor / count
+        teacher = []  # one buffer, sized by the first call: the largest unless chunks are cut into parts
 
-        def run(want_dx, want_dw, want_db):
-            teacher = []  # one buffer, sized by the first (largest) chunk
+        def chunk_loss(logits, start, end, chunk_scale):
+            if not teacher or teacher[0].shape[0] < logits.shape[0]:  # a whole chunk after another's parts
+                teacher[:] = [torch.empty(logits.shape, dtype=xt.dtype, device=xt.device)]
+            t_logits = teacher[0][: end - start]
+            torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
+            chunk_labels = None if labels is None else labels[start:end]
+            return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
+                          temperature=temperature, grad_scale=chunk_scale)
 
-            def chunk_loss(logits, start, end, chunk_scale):
-                if not teacher:
-                    teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
-                t_logits = teacher[0][: end - start]
-                torch.mm(xt[start:end], wt.t(), out=t_logits)
-                chunk_labels = None if labels is None else labels[start:end]
-                return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
-                              temperature=temperature, grad_scale=chunk_scale)
-
-            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
-                                              extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
-                                              want_dw=want_dw, want_db=False, accum_dtype=accum_dtype)
-            return loss_rows.sum() * scale, dx, dw, None
-
-        return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
+        rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
+                                     extra_bytes_per_logit=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.jsd(xt, teacher_weight, beta=jsd_beta,
+                                                                       temperature=temperature),
+                                     vocab_parallel=vocab_parallel)
+        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
 
 
-def compose_kl_div(kernel: Callable) -> Callable:
+def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
     """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
 
     def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
-                            ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None):
+                            ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
+                            process_group=None, need_grads=()):
+        want_dx, want_dw = _wanted(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
         vocab = student_weight.shape[0]
-        probs = _flat(target, vocab).detach()
+        probs = _flat(target, vocab)
         if probs.stride(-1) != 1:
             probs = probs.contiguous()
         labels = None if shift_labels is None else _flat(shift_labels).long()
@@ -264,18 +251,19 @@ def compose_kl_div(kernel: Callable) -> Callable:
             scale = torch.ones((), device=x.device)
         else:
             count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-            scale = 1.0 / (count * vocab if reduction == "mean" else count)
+            total = vocab if vocab_parallel is None else vocab_parallel.total
+            scale = 1.0 / (count * total if reduction == "mean" else count)
 
-        def run(want_dx, want_dw, want_db):
-            def chunk_loss(logits, start, end, chunk_scale):
-                chunk_labels = None if labels is None else labels[start:end]
-                return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index,
-                              temperature=temperature, eps=eps, log_target=log_target, grad_scale=chunk_scale)
+        def chunk_loss(logits, start, end, chunk_scale):
+            chunk_labels = None if labels is None else labels[start:end]
+            return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index, temperature=temperature,
+                          eps=eps, log_target=log_target, grad_scale=chunk_scale)
 
-            loss_rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                              want_db=False, accum_dtype=accum_dtype)
-            return loss_rows.sum() * scale, dx, dw, None
-
-        return _FusedLinearLoss.apply(student_input, student_weight, None, run, torch.is_grad_enabled())
+        rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
+                                     want_db=False, accum_dtype=accum_dtype,
+                                     row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
+                                                                          log_target=log_target),
+                                     vocab_parallel=vocab_parallel)
+        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div

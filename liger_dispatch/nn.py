@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -33,10 +34,10 @@ class FusedLinearCrossEntropyLoss(_Dispatched):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  softcap: Optional[float] = None, lse_square_scale: float = 0.0,
-                 accum_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None):
+                 accum_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None, process_group=None):
         super().__init__("flce", backend, ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
-                         accum_dtype=accum_dtype)
+                         accum_dtype=accum_dtype, process_group=process_group)
 
     def forward(self, input, weight, target, bias=None):
         return self._call(input, weight, target, bias)
@@ -47,10 +48,10 @@ class FusedLinearJSDLoss(_Dispatched):
 
     def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
                  scale_by_temperature_squared: bool = False, accum_dtype: Optional[torch.dtype] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, process_group=None):
         super().__init__("fused_linear_jsd", backend, jsd_beta=jsd_beta, ignore_index=ignore_index,
                          temperature=temperature, scale_by_temperature_squared=scale_by_temperature_squared,
-                         accum_dtype=accum_dtype)
+                         accum_dtype=accum_dtype, process_group=process_group)
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, shift_labels=None):
         return self._call(student_input, student_weight, teacher_input, teacher_weight, shift_labels)
@@ -61,12 +62,59 @@ class FusedLinearKLDivLoss(_Dispatched):
 
     def __init__(self, reduction: str = "batchmean", ignore_index: int = -100, temperature: float = 1.0,
                  eps: float = 1e-10, log_target: bool = False, accum_dtype: Optional[torch.dtype] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, process_group=None):
         super().__init__("fused_linear_kl_div", backend, reduction=reduction, ignore_index=ignore_index,
-                         temperature=temperature, eps=eps, log_target=log_target, accum_dtype=accum_dtype)
+                         temperature=temperature, eps=eps, log_target=log_target, accum_dtype=accum_dtype,
+                         process_group=process_group)
 
     def forward(self, student_input, student_weight, target, shift_labels=None):
         return self._call(student_input, student_weight, target, shift_labels)
+
+
+class LMHeadLoss(torch.nn.Module):
+    """An LM head whose forward is a fused loss instead of logits: `forward(hidden, *loss_args)` is
+    `loss(hidden, self.weight, *loss_args)` (with `bias=self.bias` for cross-entropy).
+
+    The module owns the head's parameters, so the hooks of whatever wraps it run around the loss: under FSDP2
+    (`fully_shard(head)`, or sharding a parent) the pre-forward hook gathers the weight before the loss reads it and
+    the post-backward hook reduce-scatters its gradient, exactly as for the nn.Linear it replaces. A loss reading
+    `lm_head.weight` outside any forward would see the sharded parameter instead. The state dict holds `weight`
+    (and `bias`) as a Linear's does, so `LMHeadLoss.from_linear(model.lm_head, loss)` can take its place.
+    A weight that is a DTensor sharded on the vocabulary (tensor parallelism) takes the vocab-parallel path.
+    """
+
+    def __init__(self, in_features: int, out_features: int, loss: Optional[torch.nn.Module] = None, *,
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.loss = loss if loss is not None else FusedLinearCrossEntropyLoss()
+        if bias and not isinstance(self.loss, FusedLinearCrossEntropyLoss):
+            raise ValueError(f"bias: only cross-entropy takes a bias, not {type(self.loss).__name__}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization."""
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, loss: Optional[torch.nn.Module] = None) -> "LMHeadLoss":
+        """A head over `linear`'s own parameters (the same Parameter objects)."""
+        head = cls(linear.in_features, linear.out_features, loss, bias=linear.bias is not None, device="meta")
+        head.weight, head.bias = linear.weight, linear.bias
+        return head
+
+    def forward(self, hidden: torch.Tensor, *loss_args, **loss_kwargs) -> torch.Tensor:
+        if self.bias is not None:
+            loss_kwargs["bias"] = self.bias
+        return self.loss(hidden, self.weight, *loss_args, **loss_kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class MHCCoeffs(_Dispatched):

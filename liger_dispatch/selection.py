@@ -1,25 +1,29 @@
 """Which implementation serves a call: preferences, capability, fallback, memoization.
 
 Order, first source that is set wins: `backend=` on the handle; `use_backend(...)`;
-LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable).
+LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable, after the backends a tuned
+table for this device measured fastest: tuned.py).
 A requested backend that cannot serve yields to the next preference and finally to the reference,
-with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error.
+with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error. In auto mode the
+reference is no fallback when no other backend accepts the call's device type at all (CPU tensors on a
+machine without the Triton interpreter, say).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from liger_dispatch import discovery, settings, tuned
 from liger_dispatch.capability import dtype_name
-from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError
+from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError,
+                                   warn_at_caller)
+from liger_dispatch.settings import getenv
 from liger_dispatch.table import REFERENCE, TABLE, Impl, reference_last
 
 _local = threading.local()
@@ -53,22 +57,6 @@ def env_key(op: str) -> str:
     return "LIGER_BACKEND_" + "".join(c if c.isalnum() else "_" for c in op.upper())
 
 
-_ENV_DATA = getattr(os.environ, "_data", None)  # the raw mapping behind os.environ: a lookup costs ~50 ns
-_ENV_ENCODE = getattr(os.environ, "encodekey", None)
-_encoded_keys: dict[str, object] = {}
-
-
-def getenv(key: str) -> Optional[str]:
-    """os.environ.get, fast enough for the per-call path."""
-    if _ENV_DATA is None or _ENV_ENCODE is None:
-        return os.environ.get(key)
-    encoded = _encoded_keys.get(key)
-    if encoded is None:
-        encoded = _encoded_keys[key] = _ENV_ENCODE(key)
-    value = _ENV_DATA.get(encoded)
-    return None if value is None else os.environ.decodevalue(value)
-
-
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
     """(where the preference came from, the backend names), or ("auto", ()) when none is set."""
     if pinned:
@@ -86,7 +74,7 @@ def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
 
 
 def strict() -> bool:
-    return (getenv("LIGER_STRICT") or "0") != "0"
+    return settings.STRICT.get()
 
 
 def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
@@ -111,6 +99,7 @@ class Rejection:
     backend: str
     variant: str
     reason: str
+    wrong_device: bool = False  # the backend never accepts the call's device type
 
 
 @dataclass(frozen=True)
@@ -122,6 +111,8 @@ class Resolution:
     requested: tuple[str, ...]
     chain: tuple[Impl, ...]
     rejected: tuple[Rejection, ...]
+    version: int  # TABLE.version the candidates were read at, after this call's discovery
+    tuned: Optional[tuned.Entry] = None  # the measured entry that ordered an auto chain
 
 
 def _check_known(names: Sequence[str], source: str) -> None:
@@ -132,48 +123,65 @@ def _check_known(names: Sequence[str], source: str) -> None:
                 f"unknown backend '{name}' (from {source}); registered backends: {', '.join(known)}")
 
 
-def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple) -> Resolution:
-    """The memoizable part of selection: everything that depends only on the call's signature."""
+def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple,
+                   tuned_key=None) -> Resolution:
+    """The memoizable part of selection: everything that depends only on the call's signature (and, where a
+    tuned table applies, its shape bucket: tuned_key)."""
     source, requested = preference(op, pinned)
     _check_known(requested, source)
-    candidates = TABLE.candidates(op)
+    settings.check_all()
+    unreachable = {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
+    reachable = [b for b in TABLE.declaring_backends(op) if b not in unreachable]
+    TABLE.discover(op, reachable)  # imports backend modules, which register: TABLE.version moves
+    version = TABLE.version
+    candidates = TABLE.candidates(op, reachable)
     rejected: list[Rejection] = []
     capable: list[Impl] = []
     for impl in candidates:
-        reason = impl.capability.static_reason(device, dtypes)
+        reason = unreachable.get(impl.backend) or impl.capability.static_reason(device, dtypes)
         if reason is None:
             capable.append(impl)
         else:
-            rejected.append(Rejection(impl.backend, impl.variant, reason))
+            wrong_device = impl.backend in unreachable or not impl.capability.accepts_device_type(device.type)
+            rejected.append(Rejection(impl.backend, impl.variant, reason, wrong_device))
     have = {i.backend for i in candidates}
     for name in requested or TABLE.declaring_backends(op):
         if name not in have:
-            rejected.append(Rejection(name, "", TABLE.unavailable_reason(op, name)))
+            reason = unreachable.get(name) or TABLE.unavailable_reason(op, name)
+            rejected.append(Rejection(name, "", reason, name in unreachable))
+    entry = None
     if requested:
         order = [i for name in requested for i in capable if i.backend == name]
         order += [i for i in capable if i.backend == REFERENCE and i not in order]
     else:
-        order = reference_last(capable, lambda i: i.backend)
-    return Resolution(op, source, requested, tuple(order), tuple(rejected))
+        order, entry = tuned.measured_first(capable, tuned.choice(op, device, dtypes, tuned_key), lambda i: i.backend)
+        order = reference_last(order, lambda i: i.backend)
+    return Resolution(op, source, requested, tuple(order), tuple(rejected), version, entry)
 
 
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
     device, dtypes = call_signature(args, kwargs)
     stack = getattr(_local, "stack", None)
-    key = (op, pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"), TABLE.version,
-           device, dtypes)
+    tuned_key = tuned.lookup_key(op, device, args, kwargs)
+    key = (op, pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"), device, dtypes,
+           tuned_key, TABLE.version)
     res = _memo.get(key)
     if res is None:
-        res = resolve_static(op, pinned, device, _floating(dtypes))
+        res = resolve_static(op, pinned, device, _floating(dtypes), tuned_key)
         if len(_memo) >= _MEMO_LIMIT:
             _memo.clear()
-        _memo[key] = res
+        # stored under the version its candidates were read at: after this call's discovery, which may have
+        # registered backends (the key's version was read before it), so the next call finds it
+        _memo[(*key[:-1], res.version)] = res
     return res
 
 
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     """The implementation that serves this call (warning or raising on fallback)."""
     res = _resolution(op, pinned, args, kwargs)
+    first = res.chain[0] if res.chain else None
+    if first is not None and first.capability.predicate is None and not _is_fallback(res, first, ()):
+        return first  # the usual call: the first capable implementation has no per-call predicate to ask
     late: list[Rejection] = []
     chosen = None
     for impl, reason in _judged(res.chain, args, kwargs):
@@ -196,10 +204,16 @@ def _judged(chain: Sequence[Impl], args, kwargs):
 
 
 def _is_fallback(res: Resolution, chosen: Impl, late: Sequence[Rejection]) -> bool:
-    """A requested backend did not serve, or (auto) the reference serves although a better one exists."""
+    """A requested backend did not serve, or (auto) the reference serves although another backend accepts
+    this device type."""
     if res.requested:
         return chosen.backend != res.requested[0]
-    return chosen.backend == REFERENCE and any(r.backend != REFERENCE for r in (*res.rejected, *late))
+    return chosen.backend == REFERENCE and any(_better(r) for r in (*res.rejected, *late))
+
+
+def _better(rejection: Rejection) -> bool:
+    """A backend other than the reference that could have served calls on this device type."""
+    return rejection.backend != REFERENCE and not rejection.wrong_device
 
 
 def _describe(rejected: Sequence[Rejection]) -> str:
@@ -208,30 +222,34 @@ def _describe(rejected: Sequence[Rejection]) -> str:
 
 def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> None:
     wanted = res.requested[: res.requested.index(chosen.backend)] if chosen.backend in res.requested else res.requested
-    relevant = [r for r in rejected if (r.backend in wanted if res.requested else r.backend != REFERENCE)]
+    relevant = [r for r in rejected if (r.backend in wanted if res.requested else _better(r))]
     why = _describe(relevant) or "no reason recorded"
-    asked = (f"requested {', '.join(wanted)} (from {res.source})" if res.requested
-             else "no backend better than the reference")
-    message = f"liger_dispatch: {res.op}: {asked} cannot serve this call [{why}]; falling back to '{chosen.backend}'"
+    if res.requested:
+        message = f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call"
+    else:
+        message = "no backend other than the reference can serve this call"
+    message = f"liger_dispatch: {res.op}: {message} [{why}]; falling back to '{chosen.backend}'"
     if strict():
-        raise BackendUnavailableError(message + " (LIGER_STRICT=1 forbids falling back)")
+        raise BackendUnavailableError(message + f" ({settings.STRICT.name} is set: a fallback is an error)")
     key = (res.op, ",".join(r.backend for r in relevant), why)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, FallbackWarning, stacklevel=4)
+        warn_at_caller(message, FallbackWarning)
 
 
 def reset() -> None:
     """Forget memoized resolutions and emitted warnings (tests, or after changing the environment)."""
     _memo.clear()
     _warned.clear()
+    tuned.reset()
 
 
 def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:
     """Which implementation would serve this call and why each other one would not; no side effects."""
     device, dtypes = call_signature(args, kwargs)
     dtypes = _floating(dtypes)
-    res = resolve_static(op, pinned, device, dtypes)
+    tuned_key = tuned.lookup_key(op, device, args, kwargs)
+    res = resolve_static(op, pinned, device, dtypes, tuned_key)
     lines = [f"op {op} on {device} ({', '.join(dtype_name(d) for d in dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
     chosen = None
@@ -243,11 +261,16 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
             lines.append(f"  {label}: cannot serve: {reason}")
         elif chosen is None:
             chosen = impl
-            lines.append(f"  {label}: SELECTED (priority {impl.priority})")
+            measured = dict(res.tuned.ms) if res.tuned is not None else {}
+            why = (f"tuned: {measured[impl.backend]:.3g} ms measured" if impl.backend in measured
+                   else f"priority {impl.priority}")
+            lines.append(f"  {label}: SELECTED ({why})")
         else:
             lines.append(f"  {label}: capable, not chosen (after {chosen.backend}, priority {impl.priority})")
     for r in res.rejected:
         lines.append(f"  {r.backend}" + (f" [{r.variant}]" if r.variant else "") + f": cannot serve: {r.reason}")
+    if not res.requested:
+        lines += tuned.explain(op, device, dtypes, tuned_key, res.tuned)
     if chosen is not None and _is_fallback(res, chosen, late):
         lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
     return chosen, lines

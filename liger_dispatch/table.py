@@ -1,7 +1,8 @@
 """The op table: declared ops, their backend locations, registered implementations, discovery.
 
-Backend modules are imported lazily, once, the first time an op they serve is resolved; an import
-failure is recorded (and shown by `python -m liger_dispatch`) instead of breaking other backends.
+Backend modules are imported lazily, once, the first time an op they serve is resolved for a call they
+can reach (discovery.py); an import failure is recorded (and shown by `python -m liger_dispatch`) instead of
+breaking other backends.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
 from liger_dispatch.errors import UnknownOpError
+from liger_dispatch.schema import Args, OpSchema
 
 REFERENCE = "reference"
 WHOLE_OP = "whole-op"
@@ -36,27 +38,56 @@ class TensorSpec:
         return len(self.shape)
 
 
-@dataclass(frozen=True)
-class OpSpec:
-    """An abstract op.
+def resolve(path: str) -> Callable:
+    """The object a "module:attribute" path names (compositions are named, not imported, by the registry)."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
-    check: called with the op's own arguments before any backend; raises InputError naming the
-        bad argument. Its signature is the op's signature.
-    composed_of / compose: for user-level ops built from kernel-level ops; every backend that
-        implements all of `composed_of` serves this op through `compose(*kernel_fns)`.
-    probe: maps a call of this op to the kernel-level call it will make, with a TensorSpec standing for
-        each tensor the composition will make, so the kernel's capability predicate judges it. It runs on
-        every call where a predicate applies: predicates read only shapes and dtypes.
+
+@dataclass(frozen=True, eq=False)
+class OpSpec:
+    """An abstract op: its schema (written once) and what the dispatcher needs to serve it.
+
+    schema: the op in torch.library syntax; its name is the op's name. Every implementation's signature must be
+        the schema's (plus `impl_extra` for user-level losses), checked at registration.
+    check: check(a) with `a` the bound arguments (one attribute per schema parameter, defaults filled in); raises
+        InputError naming the bad argument. It reads shapes, dtypes and options only: it also runs while
+        torch.compile traces. Checks that need tensor values are `value_check`, run where the op runs.
+    composed_of / compose: for user-level ops built from kernel-level ops; every backend that implements all of
+        `composed_of` serves this op through `compose(*kernel_fns)` ("module:function", imported on first use).
+    probe: probe(a) -> (args, kwargs) of the kernel-level call the composition will make, with a TensorSpec
+        standing for each tensor it will make, so the kernel's capability predicate judges it.
+    differentiable: for user-level ops, the tensor parameters that get gradients.
+    impl_extra: keyword-only parameters (schema syntax) the implementations of a user-level op take beyond the op's
+        schema, e.g. which gradients to compute in the forward pass.
+    autocast: the tensor parameters cast to the autocast dtype under torch.autocast, as for F.linear.
+    fake: fake(a) -> the op's outputs as empty tensors of the right shapes and dtypes (torch.compile traces with it).
     """
 
-    name: str
+    schema_text: str
     level: str  # "user" or "kernel"
-    check: Callable[..., None]
+    check: Callable[[Args], None]
+    value_check: Optional[Callable[[Args], None]] = None
     aliases: tuple[str, ...] = ()
     composed_of: tuple[str, ...] = ()
-    compose: Optional[Callable[..., Callable]] = field(default=None, compare=False)
-    probe: Optional[Callable[..., tuple[tuple, dict]]] = field(default=None, compare=False)
+    compose: Optional[str] = None
+    probe: Optional[Callable[[Args], tuple[tuple, dict]]] = None
+    differentiable: tuple[str, ...] = ()
+    impl_extra: str = ""
+    fake: Optional[Callable[[Args], object]] = None
+    autocast: tuple[str, ...] = ()
     summary: str = ""
+    schema: OpSchema = field(init=False)
+    extra: OpSchema = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schema", OpSchema(self.schema_text))
+        object.__setattr__(self, "extra", OpSchema(f"extra(*, {self.impl_extra}) -> ()" if self.impl_extra
+                                                   else "extra() -> ()"))
+
+    @property
+    def name(self) -> str:
+        return self.schema.name
 
 
 @dataclass(frozen=True)
@@ -72,6 +103,12 @@ class Impl:
 
 
 class OpTable:
+    """Every declared op, where each backend implements it, and the registered implementations.
+
+    Written by the registry (declarations, locations) and by backend modules as they are imported (registrations);
+    read by selection. `version` changes with every write, so memoized resolutions never outlive one.
+    """
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._ops: dict[str, OpSpec] = {}
@@ -80,7 +117,7 @@ class OpTable:
         self._registered: dict[str, list[Impl]] = {}
         self._backend_names: dict[str, None] = {REFERENCE: None}  # ordered set
         self._module_errors: dict[str, Optional[str]] = {}  # module -> None (imported) or why not
-        self._discovered: set[str] = set()
+        self._discovered: set[tuple[str, str]] = set()  # (op, backend) whose modules were imported
         self._candidates: dict[str, tuple[Impl, ...]] = {}
         self._composed: dict[tuple, Impl] = {}
         self.version = 0  # bumped on every change; resolution memos key on it
@@ -103,8 +140,11 @@ class OpTable:
             self._changed()
 
     def register(self, impl: Impl) -> None:
+        spec = self.spec(impl.op)
+        spec.schema.validate(impl.fn, tuple(spec.extra.signature.parameters.values()),
+                             where=f"{impl.backend}'s implementation of {spec.name}")
         with self._lock:
-            impl = Impl(self.canonical(impl.op), impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
+            impl = Impl(spec.name, impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
             impls = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) != (impl.backend, impl.variant)]
             impls.append(impl)
             self._registered[impl.op] = impls
@@ -144,27 +184,32 @@ class OpTable:
         return dict(self._locations.get(self.canonical(op), {}))
 
     # -- discovery -----------------------------------------------------------------------------
-    def discover(self, op: str) -> None:
-        """Import, once, every backend module declared for `op` and for the ops it is composed of."""
+    def discover(self, op: str, backends: Optional[Collection[str]] = None) -> None:
+        """Import, once, the modules `backends` (default: all) declare for `op` and for the ops it is composed of.
+
+        The imports run outside the lock: a backend module registers into this table while it imports, and
+        another thread may be importing it already (Python's import lock makes this one wait for it).
+        """
         name = self.canonical(op)
-        if name in self._discovered:
-            return
         with self._lock:
-            if name in self._discovered:
-                return
-            for needed in (name, *self._ops[name].composed_of):
-                for module in self._locations.get(needed, {}).values():
-                    self._import(module)
-            self._discovered.add(name)
+            pending = [(backend, module) for needed in (name, *self._ops[name].composed_of)
+                       for backend, module in self._locations.get(needed, {}).items()
+                       if (name, backend) not in self._discovered and (backends is None or backend in backends)]
+        for _, module in pending:
+            self._import(module)
+        with self._lock:
+            self._discovered.update((name, backend) for backend, _ in pending)
 
     def _import(self, module: str) -> None:
-        if module in self._module_errors:
+        if module in self._module_errors:  # recorded once its import has finished
             return
-        self._module_errors[module] = None  # mark first: a module may register while importing
         try:
             importlib.import_module(module)
+            error = None
         except Exception as exc:  # any failure of a backend module must not break the others
-            self._module_errors[module] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        with self._lock:
+            self._module_errors.setdefault(module, error)
 
     def module_error(self, module: str) -> Optional[str]:
         return self._module_errors.get(module)
@@ -187,10 +232,11 @@ class OpTable:
         impls = [i for i in self._registered.get(op, []) if i.backend == backend]
         return min(impls, key=lambda i: i.priority) if impls else None
 
-    def candidates(self, op: str) -> tuple[Impl, ...]:
-        """Every implementation of `op`, whole-op and composed, best priority first."""
+    def candidates(self, op: str, backends: Optional[Collection[str]] = None) -> tuple[Impl, ...]:
+        """Every implementation of `op`, whole-op and composed, best priority first, after discovering the
+        modules of `backends` (default: all); implementations registered by other means are included."""
         name = self.canonical(op)
-        self.discover(name)
+        self.discover(name, backends)
         cached = self._candidates.get(name)
         if cached is not None:
             return cached
@@ -216,21 +262,20 @@ class OpTable:
                 if (part.capability, part.priority) != (first.capability, first.priority):
                     raise ValueError(f"backend {backend!r} registers {part.op} and {first.op} with different "
                                      f"capabilities or priorities; a composed {spec.name} needs them equal")
-            capability = replace(first.capability, predicate=_probed(first.capability.predicate,
-                                                                                spec.probe))
-            impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
+            capability = replace(first.capability, predicate=_probed(first.capability.predicate, spec))
+            impl = Impl(spec.name, backend, resolve(spec.compose)(*(p.fn for p in parts)), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl
 
 
-def _probed(predicate: Optional[Callable], probe: Optional[Callable]) -> Optional[Callable]:
+def _probed(predicate: Optional[Callable], spec: OpSpec) -> Optional[Callable]:
     """A kernel-level capability predicate, asked about the kernel call a user-level call will make."""
-    if predicate is None or probe is None:
+    if predicate is None or spec.probe is None:
         return None
 
     def judge(*args, **kwargs):
-        kernel_args, kernel_kwargs = probe(*args, **kwargs)
+        kernel_args, kernel_kwargs = spec.probe(spec.schema.bind(args, kwargs))
         return predicate(*kernel_args, **kernel_kwargs)
 
     return judge

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 
 from liger_dispatch.errors import InputError
+from liger_dispatch.registry.device_labels import assert_class_indices
+from liger_dispatch import settings
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -39,9 +41,11 @@ def same_dtype(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> No
         raise InputError(f"{b_name} has dtype {b.dtype} but {a_name} has {a.dtype}; they must match")
 
 
-def dim_equals(name: str, actual: int, expected: int, what: str) -> None:
+def dim_equals(name: str, actual: int, expected: int, what: str, expected_from: str = "") -> None:
+    """`name`'s `what` is `actual`; it must be `expected`, taken from `expected_from` (another argument) if given."""
     if actual != expected:
-        raise InputError(f"{name}: {what} is {actual}, expected {expected}")
+        origin = f" ({expected_from})" if expected_from else ""
+        raise InputError(f"{name}: {what} is {actual}, expected {expected}{origin}")
 
 
 def rows(name: str, count: int, n: int, what: str = "number of rows") -> None:
@@ -75,8 +79,16 @@ def integer(name: str, value) -> None:
 
 
 def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Every entry in [0, vocab) or equal to ignore_index. One device sync when on an accelerator."""
+    """Every entry in [0, vocab) or equal to ignore_index.
+
+    On an accelerator the check is a device-side assert (as torch's own cross-entropy does it): no host sync, a
+    bad label stops the device with a message (device_labels.py). LIGER_CHECKS=full checks on the host instead,
+    with a Python error.
+    """
     if target.numel() == 0:
+        return
+    if target.device.type != "cpu" and settings.CHECKS.get() != "full":
+        assert_class_indices(name, target, vocab, ignore_index)
         return
     low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())
     if low < 0 or high >= vocab:

@@ -7,7 +7,6 @@ import math
 import torch
 
 from liger_dispatch.errors import InputError
-from liger_dispatch.mhc import compose_mhc
 from liger_dispatch.registry import checks as c
 from liger_dispatch.table import TABLE, OpSpec, TensorSpec
 
@@ -20,7 +19,9 @@ def streams_of(phi: torch.Tensor) -> int:
     return hc
 
 
-def _params(x_name, x, phi, b, alpha_pre, alpha_post, alpha_res, hc, k):
+def _params(x_name, a, hc, k):
+    x, phi, b = a.x, a.phi, a.b
+    alpha_pre, alpha_post, alpha_res = a.alpha_pre, a.alpha_post, a.alpha_res
     c.tensor("phi", phi, ndim=2, floating=True)
     got_hc = streams_of(phi)
     if hc is not None and got_hc != hc:
@@ -38,61 +39,89 @@ def _params(x_name, x, phi, b, alpha_pre, alpha_post, alpha_res, hc, k):
     return got_hc
 
 
-def _options(tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
-    c.integer("tmax", tmax)
-    if tmax < 1:
-        raise InputError(f"tmax must be >= 1, got {tmax}")
-    c.positive("rms_eps", rms_eps)
-    c.non_negative("pre_eps", pre_eps)
-    c.non_negative("sinkhorn_eps", sinkhorn_eps)
-    c.positive("post_mult", post_mult)
+def _options(a):
+    c.integer("tmax", a.tmax)
+    if a.tmax < 1:
+        raise InputError(f"tmax must be >= 1, got {a.tmax}")
+    c.positive("rms_eps", a.rms_eps)
+    c.non_negative("pre_eps", a.pre_eps)
+    c.non_negative("sinkhorn_eps", a.sinkhorn_eps)
+    c.positive("post_mult", a.post_mult)
 
 
-def check_mhc_coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                     sinkhorn_eps=1e-6, post_mult=2.0):
-    c.tensor("x", x, min_ndim=2, floating=True)
-    hc = _params("x", x, phi, b, alpha_pre, alpha_post, alpha_res, None, x.shape[-2] * x.shape[-1])
-    if x.shape[-2] != hc:
-        raise InputError(f"x has {x.shape[-2]} streams (dim -2) but phi's {phi.shape[1]} columns mean HC = {hc}")
-    _options(tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+def check_mhc_coeffs(a):
+    c.tensor("x", a.x, min_ndim=2, floating=True)
+    hc = _params("x", a, None, a.x.shape[-2] * a.x.shape[-1])
+    if a.x.shape[-2] != hc:
+        raise InputError(f"x has {a.x.shape[-2]} streams (dim -2) but phi's {a.phi.shape[1]} columns mean HC = {hc}")
+    _options(a)
 
 
-def check_mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                        sinkhorn_eps=1e-6, post_mult=2.0):
-    c.tensor("x", x, ndim=2, floating=True)
-    _params("x", x, phi, b, alpha_pre, alpha_post, alpha_res, hc, x.shape[1])
-    _options(tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult)
+def check_mhc_coeff_fwd(a):
+    c.tensor("x", a.x, ndim=2, floating=True)
+    _params("x", a, a.hc, a.x.shape[1])
+    _options(a)
 
 
-def check_mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res,
-                        *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
-    check_mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, hc=hc, tmax=tmax, rms_eps=rms_eps,
-                        pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)
-    m = x.shape[0]
-    expected = {"mix": (m, phi.shape[1]), "rstd": (m,), "grad_h_pre": (m, hc), "grad_h_post": (m, hc),
+def check_mhc_coeff_bwd(a):
+    check_mhc_coeff_fwd(a)
+    m, hc = a.x.shape[0], a.hc
+    expected = {"mix": (m, a.phi.shape[1]), "rstd": (m,), "grad_h_pre": (m, hc), "grad_h_post": (m, hc),
                 "grad_h_res": (m, hc, hc)}
-    for name, value in (("mix", mix), ("rstd", rstd), ("grad_h_pre", grad_h_pre), ("grad_h_post", grad_h_post),
-                        ("grad_h_res", grad_h_res)):
+    for name, shape in expected.items():
+        value = getattr(a, name)
         if value is None and name.startswith("grad"):
             continue
         c.tensor(name, value)
-        if tuple(value.shape) != expected[name]:
-            raise InputError(f"{name} must have shape {expected[name]}, got {tuple(value.shape)}")
+        if tuple(value.shape) != shape:
+            raise InputError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
 
 
-def probe_mhc_coeffs(x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                     sinkhorn_eps=1e-6, post_mult=2.0):
-    hc, channels = x.shape[-2], x.shape[-1]
-    rows = TensorSpec((math.prod(x.shape[:-2]), hc * channels), x.dtype)
-    return ((rows, phi, b, alpha_pre, alpha_post, alpha_res),
-            dict(hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult))
+def probe_mhc_coeffs(a):
+    hc, channels = a.x.shape[-2], a.x.shape[-1]
+    rows = TensorSpec((math.prod(a.x.shape[:-2]), hc * channels), a.x.dtype)
+    return ((rows, a.phi, a.b, a.alpha_pre, a.alpha_post, a.alpha_res),
+            dict(hc=hc, tmax=a.tmax, rms_eps=a.rms_eps, pre_eps=a.pre_eps, sinkhorn_eps=a.sinkhorn_eps,
+                 post_mult=a.post_mult))
+
+
+def _fp32(like, *shape):
+    return like.new_empty(shape, dtype=torch.float32)
+
+
+def fake_mhc_coeff_fwd(a):
+    m, hc, n = a.x.shape[0], a.hc, a.phi.shape[1]
+    return _fp32(a.x, m, hc), _fp32(a.x, m, hc), _fp32(a.x, m, hc, hc), _fp32(a.x, m, n), _fp32(a.x, m)
+
+
+def fake_mhc_coeff_bwd(a):
+    return (torch.empty_like(a.x), torch.empty_like(a.phi), _fp32(a.b, a.phi.shape[1]), _fp32(a.b), _fp32(a.b),
+            _fp32(a.b))
+
+
+def fake_mhc_coeffs(a):
+    """The coefficients in x's leading dims, then what the backward needs: mix [M, n] and rstd [M]."""
+    *lead, hc, _ = a.x.shape
+    m = math.prod(lead)
+    return (_fp32(a.x, *lead, hc), _fp32(a.x, *lead, hc), _fp32(a.x, *lead, hc, hc), _fp32(a.x, m, a.phi.shape[1]),
+            _fp32(a.x, m))
+
+
+_PARAMS = "Tensor x, Tensor phi, Tensor b, Tensor alpha_pre, Tensor alpha_post, Tensor alpha_res"
+_OPTIONS = "int tmax=20, float rms_eps=1e-6, float pre_eps=0.0, float sinkhorn_eps=1e-6, float post_mult=2.0"
+MHC_SCHEMA = f"mhc_coeffs({_PARAMS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor)"
+FWD_SCHEMA = f"mhc_coeff_fwd({_PARAMS}, *, int hc, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+BWD_SCHEMA = (f"mhc_coeff_bwd({_PARAMS}, Tensor mix, Tensor rstd, Tensor? grad_h_pre, Tensor? grad_h_post, "
+              f"Tensor? grad_h_res, *, int hc, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def declare() -> None:
-    TABLE.declare_op(OpSpec("mhc_coeff_fwd", "kernel", check_mhc_coeff_fwd,
+    TABLE.declare_op(OpSpec(FWD_SCHEMA, "kernel", check_mhc_coeff_fwd, fake=fake_mhc_coeff_fwd,
                             summary="mHC coefficients forward: x @ phi, RMS scaling, sigmoids, Sinkhorn"))
-    TABLE.declare_op(OpSpec("mhc_coeff_bwd", "kernel", check_mhc_coeff_bwd,
+    TABLE.declare_op(OpSpec(BWD_SCHEMA, "kernel", check_mhc_coeff_bwd, fake=fake_mhc_coeff_bwd,
                             summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"))
-    TABLE.declare_op(OpSpec("mhc_coeffs", "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"),
-                            compose=compose_mhc, probe=probe_mhc_coeffs,
+    TABLE.declare_op(OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"),
+                            compose="liger_dispatch.mhc:compose_mhc", probe=probe_mhc_coeffs,
+                            differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
+                            fake=fake_mhc_coeffs,
                             summary="mHC pre/post/residual coefficients, with autograd"))

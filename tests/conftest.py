@@ -2,8 +2,12 @@
 on CPU tensors; the variable must be set before any kernel is defined, so it is set here, first."""
 
 import os
+import tempfile
 
 import torch
+
+# A compile cache of this session's own: inductor's shared one in /tmp can hold graphs of another checkout's ops.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="liger-dispatch-inductor-"))
 
 if not torch.cuda.is_available() and os.environ.get("HELION_INTERPRET") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,7 +31,8 @@ def _seed(request):
 def clean_selection(monkeypatch):
     """Each test starts with no LIGER_* preference in the environment and no memoized selection."""
     for key in list(os.environ):
-        if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_BUDGET_MB"):
+        if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_BUDGET_MB",
+                                                      "LIGER_CHUNK_OVERLAP", "LIGER_TUNED_TABLE"):
             monkeypatch.delenv(key)
     selection.reset()
     yield

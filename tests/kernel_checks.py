@@ -26,6 +26,16 @@ def inputs(default_rows, default_vocab):
     return logits, labels
 
 
+# flce options: every reduction, and each term of the loss alone and together
+FLCE_CASES = {
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "smoothing": dict(label_smoothing=0.1),
+    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
+    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
+}
+
 GRAD_SCALE_FORMS = ("none", "0-d", "per-row", "expanded", "strided")
 
 

@@ -28,12 +28,13 @@ def upstream(m, hc, present=(True, True, True)):
     return [torch.randn(s, device=DEVICE) if p else None for s, p in zip(shapes, present)]
 
 
-def reference(args, grads, hc, tmax):
-    """Float64 forward outputs (h_pre, h_post, h_res, mix, rstd) and the six gradients through autograd."""
+def reference(args, grads, hc, **options):
+    """Float64 forward outputs (h_pre, h_post, h_res, mix, rstd) and the six gradients through autograd, of the
+    formulas with these options (the formulas' own defaults where absent)."""
     leaves = [t.detach().double().requires_grad_() for t in args]
-    mix, rstd = mhc_mix(leaves[0], leaves[1], rms_eps=OPTIONS["rms_eps"])
-    coeffs = mhc_coeffs_from_mix(mix, *leaves[2:], hc=hc, tmax=tmax, pre_eps=OPTIONS["pre_eps"],
-                                 sinkhorn_eps=OPTIONS["sinkhorn_eps"], post_mult=OPTIONS["post_mult"])
+    mix_options = {"rms_eps": options.pop("rms_eps")} if "rms_eps" in options else {}
+    mix, rstd = mhc_mix(leaves[0], leaves[1], **mix_options)
+    coeffs = mhc_coeffs_from_mix(mix, *leaves[2:], hc=hc, **options)
     pairs = [(h, g.double()) for h, g in zip(coeffs, grads) if g is not None]
     if pairs:
         outs, gs = zip(*pairs)
@@ -50,15 +51,15 @@ MISSING_GRADS_IDS = ["no-pre", "pre-only", "res-only", "none"]
 
 
 def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), x_row_stride=None,
-              phi_dtype=None, fwd_kwargs=None, bwd_kwargs=None, rel_tol=None, grads=None, deterministic=False):
+              phi_dtype=None, rel_tol=None, grads=None, deterministic=False):
     """Runs a backend's mhc_coeff_fwd / mhc_coeff_bwd (module `mhc`) on fresh inputs and checks all outputs
     (gradients to rel_tol, by default REL_TOL of the dtype). grads: the upstream gradients (default: fresh ones
     as `present` says). deterministic: the backward, run again, gives the same bits."""
     args = inputs(m, hc, c, dtype, x_row_stride, phi_dtype)
     grads = upstream(m, hc, present) if grads is None else grads
-    outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS, **(fwd_kwargs or {}))
-    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS, **(bwd_kwargs or {}))
-    want_outs, want_grads = reference(args, grads, hc, tmax)
+    outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=tmax, **OPTIONS)
+    got = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS)
+    want_outs, want_grads = reference(args, grads, hc, tmax=tmax, **OPTIONS)
 
     for name, o, w in zip(("h_pre", "h_post", "h_res", "mix", "rstd"), outs, want_outs):
         assert o.dtype == torch.float32 and o.shape == w.shape, name
@@ -68,7 +69,7 @@ def check_mhc(mhc, m, hc, c, tmax, dtype=torch.float32, present=(True, True, Tru
         assert g.shape == a.shape, name
         assert_rel_close(name, g, w, rel_tol or REL_TOL[dtype])
     if deterministic:
-        again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS, **(bwd_kwargs or {}))
+        again = mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=tmax, **OPTIONS)
         for name, a, b in zip(GRAD_NAMES, got, again):
             assert torch.equal(a, b), f"{name} differs between two runs"
     return args, grads, outs, got

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import report, vocab_parallel
 from benchmarks.shapes import OPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +43,29 @@ def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
     merged = report.read_csv(out / "cpu.csv")
     assert len(merged) == len(rows) + 1
     assert [r["ms"] for r in merged if r == remeasured] == ["1.5"]
+
+
+def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
+    """benchmarks.vocab_parallel in this process on the CPU (its GPU rows come from the H200): every op's row, with
+    the vocab-parallel path agreeing with the single-process op."""
+    out = tmp_path / "vp.md"
+    args = ["--device", "cpu", "--n", "16", "--hidden", "32", "--vocab", "101", "--backends", "reference",
+            "--rep-ms", "1", "--out", str(out)]
+    assert vocab_parallel.main(args) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| f")]
+    assert sorted(r[0] for r in rows) == ["| flce", "| fused_linear_jsd", "| fused_linear_kl_div"]
+    assert all(float(err.strip(" |")) < 1e-5 for r in rows for err in r[-3:]), rows
+
+def test_triton_loss_kernel_cases_match_the_formulas():
+    """Every case of benchmarks/triton_loss_kernels.py (kernel variants included) passes its own check, at a
+    tiny shape on the CPU: the GPU run times only what is right."""
+    import torch
+
+    from benchmarks import triton_loss_kernels as bench
+
+    for name, reads, writes, make, run, reference_rows, launch, knobs in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
+        inputs = make()
+        with launch.using(**knobs, block_size=64):
+            assert bench.check(name, inputs, run, reference_rows, 1.0 / 3), name
+        model, minimum = bench.traffic(inputs, reads, writes)
+        assert model >= minimum > 0

@@ -42,7 +42,10 @@ def call(op, args, **kwargs):
 
 
 BAD = [
-    ("flce", flce_args(weight=torch.randn(V, H + 1)), {}, r"input: hidden size"),
+    ("flce", flce_args(weight=torch.randn(V, H + 1)), {}, rf"^input: hidden size \(last dim\) is {H}, expected {H + 1} "
+                                                         r"\(weight's dim 1\)$"),
+    ("flce", flce_args(weight=torch.randn(H, V)), {}, rf"^weight has shape \({H}, {V}\) but must be \[V, H\] "
+                                                     rf"\(vocabulary, hidden; input's H is {H}\).*transposed"),
     ("flce", flce_args(target=torch.randint(0, V, (N + 1,))), {}, r"target: number of labels"),
     ("flce", flce_args(target=torch.randn(N)), {}, r"target must be an integer tensor"),
     ("flce", flce_args(weight=torch.randn(V, H, dtype=torch.float16)), {}, r"weight has dtype torch.float16"),
@@ -58,8 +61,11 @@ BAD = [
     ("fused_linear_jsd", jsd_args(), dict(jsd_beta=1.5), r"jsd_beta must be a number in \[0.0, 1.0\]"),
     ("fused_linear_jsd", jsd_args(), dict(jsd_beta=-0.1), r"jsd_beta"),
     ("fused_linear_jsd", jsd_args(), dict(temperature=0.0), r"temperature must be > 0"),
-    ("fused_linear_jsd", jsd_args(teacher_input=torch.randn(N + 1, H)), {}, r"teacher_input: number of rows"),
-    ("fused_linear_jsd", jsd_args(teacher_weight=torch.randn(V + 2, H)), {}, r"teacher_weight: vocabulary size"),
+    ("fused_linear_jsd", jsd_args(teacher_input=torch.randn(N + 1, H)), {},
+     rf"^teacher_input: number of rows is {N + 1}, expected {N} \(student_input's\)$"),
+    ("fused_linear_jsd", jsd_args(teacher_weight=torch.randn(V + 2, H)), {},
+     rf"^teacher_weight: vocabulary size \(dim 0\) is {V + 2}, expected {V} \(student_weight's\)$"),
+    ("fused_linear_jsd", jsd_args(teacher_weight=torch.randn(H, V)), {}, r"^teacher_weight has shape .*transposed"),
     ("fused_linear_jsd", jsd_args(shift_labels=torch.zeros(N - 1, dtype=torch.long)), {}, r"shift_labels: number"),
     ("fused_linear_kl_div", kl_args(), dict(reduction="none"), r"reduction='none' is not supported"),
     ("fused_linear_kl_div", kl_args(), dict(reduction="elementwise"), r"reduction must be one of"),
@@ -97,5 +103,4 @@ def test_kernel_level_bad_input(op, args, kwargs, message):
 
 def test_valid_inputs_pass_the_checks_and_errors_are_value_errors():
     assert issubclass(InputError, ValueError)
-    spec_check = dispatch.op("flce")._check
-    spec_check(*flce_args(target=torch.tensor([0, 1, -100, V - 1, 2])).values())  # ignore_index is fine
+    dispatch.op("flce")(*flce_args(target=torch.tensor([0, 1, -100, V - 1, 2])).values())  # ignore_index is fine

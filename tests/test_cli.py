@@ -1,6 +1,11 @@
-"""python -m liger_dispatch: the backend matrix and the demo, on the CPU reference."""
+"""python -m liger_dispatch: the backend matrix and the demos, on the CPU reference."""
 
-from liger_dispatch import cli
+import pytest
+
+import pytest
+import torch
+
+from liger_dispatch import cli, dispatch
 
 
 def test_matrix_names_every_op_and_the_auto_choice(capsys):
@@ -11,8 +16,56 @@ def test_matrix_names_every_op_and_the_auto_choice(capsys):
     assert "mhc_coeffs: auto picks " in out and "reference)" in out  # the reference is always usable, and last
 
 
-def test_demo_trains_with_options_before_or_after_the_subcommand(capsys):
-    assert cli.main(["--device", "cpu", "demo", "--steps", "2"]) == 0
-    assert cli.main(["demo", "--steps", "2", "--device", "cpu", "--dtype", "fp32", "--loss", "kl"]) == 0
+def test_mhc_demo_trains_with_options_before_or_after_the_subcommand(capsys):
+    assert cli.main(["--device", "cpu", "demo", "--model", "mhc", "--steps", "2"]) == 0
+    assert cli.main(["demo", "--steps", "2", "--device", "cpu", "--dtype", "fp32", "--loss", "kl", "--model", "mhc"]) == 0
     out = capsys.readouterr().out
     assert out.count("step    1") == 2
+
+
+def test_matrix_fits_the_terminal_and_names_the_interpreters_on_the_cpu(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setenv("LIGER_BACKEND_FLCEE", "triton")
+    for columns in (90, 250):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        assert cli.main(["--device", "cpu"]) == 0
+        out = capsys.readouterr().out
+        assert max(len(line) for line in out.splitlines()) <= columns
+    assert "TRITON_INTERPRET=1" in out and "HELION_INTERPRET=1" in out  # in the triton and helion cells
+    assert dispatch.backend_status("flce", "cpu", torch.float32)["triton"].endswith(
+        "(runs on the CPU under TRITON_INTERPRET=1)")
+    assert "LIGER_BACKEND_FLCEE is not a variable liger-dispatch reads" in out
+
+
+@pytest.mark.parametrize("argv,problem", [
+    (["--device", "foo"], "--device 'foo' is not a device"),
+    (["demo", "--device", "mps"], "run on cpu or cuda devices"),
+    pytest.param(["--device", "cuda"], "use --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
+])
+def test_a_device_it_cannot_use_is_one_line_and_a_nonzero_exit(capsys, argv, problem):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and problem in err
+
+
+def test_a_bad_environment_variable_is_one_line_and_a_nonzero_exit(capsys, monkeypatch):
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", "abc")
+    assert cli.main(["--device", "cpu", "demo", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == ("python -m liger_dispatch: error: LIGER_CHUNK_ROWS='abc' is not valid: "
+                           "expected a positive integer")
+
+
+def test_llama_demo_trains_distills_and_writes_its_png(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("LIGER_BACKEND", "reference")  # not the interpreted kernels conftest enables: seconds, not minutes
+    png = tmp_path / "curves.png"
+    assert cli.main(["demo", "--device", "cpu", "--steps", "3", "--loss", "kl", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "first step, patched (flce by reference) vs unpatched" in out and "logits not materialized" in out
+    assert " ok\n" in out
+    assert "student step    2  kl" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ import torch
 
 import liger_dispatch as ld
 from liger_dispatch import dispatch
-from kernel_checks import assert_rel_close
+from kernel_checks import FLCE_CASES, assert_rel_close
 from liger_dispatch.backends.reference import formulas
 
 ON_GPU = torch.cuda.is_available()
@@ -96,15 +96,6 @@ def non_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 N, H, V = (512, 256, 4099) if ON_GPU else (7, 16, 131)
 pytestmark = [pytest.mark.gpu] if ON_GPU else []  # on a GPU host: `pytest -m gpu` runs this suite at real shapes
-
-FLCE_CASES = {
-    "mean": dict(),
-    "sum": dict(reduction="sum"),
-    "none": dict(reduction="none"),
-    "smoothing": dict(label_smoothing=0.1),
-    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
-    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
-}
 
 
 @pytest.mark.parametrize("case", list(FLCE_CASES))
@@ -264,3 +255,87 @@ def test_fp16_gradients_keep_their_digits(op):
         kwargs = dict(reduction="batchmean")
     grads = ("input", "weight") if op == "flce" else ("student_input", "student_weight")
     run_and_compare(op, "reference", dtype, inputs, kwargs, grads)
+
+
+EMPTY_CASES = {
+    "flce": [dict(reduction="mean"), dict(reduction="sum", lse_square_scale=0.1), dict(reduction="none")],
+    "fused_linear_jsd": [dict(jsd_beta=0.5), dict(jsd_beta=0.0, with_labels=True)],
+    "fused_linear_kl_div": [dict(reduction="batchmean"), dict(reduction="mean", with_labels=True),
+                            dict(reduction="sum", log_target=True)],
+    "mhc_coeffs": [{}],
+}
+
+
+def empty_batch(op, dtype, with_labels=False, **kwargs):
+    """(inputs with zero rows, the differentiable ones requiring grad; the op's keywords)."""
+    x, w = randn(0, H, dtype=dtype), randn(V, H, dtype=dtype)
+    rows = labels(0, V) if with_labels else None
+    if op == "flce":
+        inputs = dict(input=x, weight=w, target=labels(0, V), bias=randn(V, dtype=dtype))
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(0, H, dtype=dtype),
+                      teacher_weight=randn(V, H, dtype=dtype), shift_labels=rows)
+    elif op == "fused_linear_kl_div":
+        inputs = dict(student_input=x, student_weight=w, target=randn(0, V).softmax(-1).to(dtype), shift_labels=rows)
+    else:
+        hc, c = MHC_SHAPES[1][-2:]
+        n = hc * hc + 2 * hc
+        inputs = dict(x=randn(0, hc, c, dtype=dtype), phi=randn(hc * c, n, dtype=dtype), b=randn(n),
+                      alpha_pre=torch.tensor(0.8, device=DEVICE), alpha_post=torch.tensor(1.1, device=DEVICE),
+                      alpha_res=torch.tensor(0.9, device=DEVICE))
+    teacher = ("teacher_input", "teacher_weight", "target")  # never differentiated
+    return {k: leaf(v, v.is_floating_point() and k not in teacher) for k, v in inputs.items() if v is not None}, kwargs
+
+
+@pytest.mark.parametrize("op,backend,dtype", cases() + cases(dtypes=(torch.float16,)))
+def test_empty_batch(op, backend, dtype):
+    """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
+    for options in EMPTY_CASES[op]:
+        inputs, kwargs = empty_batch(op, dtype, **options)
+        out = dispatch.op(op, backend=backend)(*inputs.values(), **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        for o in outs:
+            if kwargs.get("reduction") == "none" or op == "mhc_coeffs":
+                assert o.shape[0] == 0, f"{op} {options}: output shape {tuple(o.shape)}"
+            else:
+                assert o.shape == () and o.item() == 0.0, f"{op} {options}: loss {o}"
+        sum(o.float().sum() for o in outs).backward()
+        for name, t in inputs.items():
+            if t.requires_grad:
+                assert t.grad is not None and t.grad.shape == t.shape, f"{op} {options}: no gradient for {name}"
+                assert (t.grad == 0).all(), f"{op} {options}: gradient of {name} is not zero"
+
+
+FP16_ADVERSARIAL = {
+    # a strong z-loss on logits ~ 20: d loss / d logit reaches 1 + 2 * 0.5 * lse ~ 20
+    "flce-zloss-softcap": ("flce", dict(softcap=20.0, lse_square_scale=0.5, reduction="sum"), 8.0),
+    "flce-zloss-none": ("flce", dict(lse_square_scale=0.5, reduction="none"), 8.0),
+    "jsd-cold": ("fused_linear_jsd", dict(jsd_beta=0.0, temperature=0.05), 1.0),
+    "jsd-reverse-cold": ("fused_linear_jsd", dict(jsd_beta=1.0, temperature=0.25), 1.0),
+    # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
+    "kl-unnormalized": ("fused_linear_kl_div", dict(log_target=True, reduction="sum"), 1.0),
+}
+
+
+def fp16_adversarial_cases():
+    return [pytest.param(*p.values, case, marks=p.marks, id=f"{p.id}-{case}")
+            for case, (op, _, _) in FP16_ADVERSARIAL.items() for p in cases((op,), (torch.float16,))]
+
+
+@pytest.mark.parametrize("op,backend,dtype,case", fp16_adversarial_cases())
+def test_fp16_gradients_never_overflow(op, backend, dtype, case):
+    """fp16 buffers hold the gradient scaled up (see grad_bounds.py): inputs whose per-logit gradients are far
+    above 1 must not overflow them (or dX) into inf / NaN."""
+    _, kwargs, logit_scale = FP16_ADVERSARIAL[case]
+    x, w = randn(N, H, dtype=dtype), randn(V, H, dtype=dtype, scale=logit_scale * H ** -0.5)
+    if op == "flce":
+        inputs, grads = dict(input=x, weight=w, target=labels(N, V, ignored=(1,))), ("input", "weight")
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(N, H, dtype=dtype, scale=4.0),
+                      teacher_weight=randn(V, H, dtype=dtype, scale=H ** -0.5))
+        grads = ("student_input", "student_weight")
+    else:
+        x = randn(N, H, dtype=dtype, scale=4.0)  # a confident student: softmax near one-hot
+        inputs = dict(student_input=x, student_weight=w, target=torch.softmax(randn(N, V), -1).to(dtype))
+        grads = ("student_input", "student_weight")
+    run_and_compare(op, backend, dtype, inputs, kwargs, grads)

@@ -17,7 +17,7 @@ pytest.importorskip("cutlass")
 
 from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
-from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
+from liger_dispatch.backends.cutedsl._row import RowLaunch  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
 from cutedsl_checks import (check_compiled, cutedsl_impl, kl_target, run_probe, strided_rows,  # noqa: E402
                             validate_only)
@@ -58,15 +58,15 @@ def test_predicate_declines_rows_too_long_and_odd_label_dtypes():
 
 
 VARIANTS = [
-    (ce, (bf16, i64, 8, ce.TUNING, False, False, False)),
-    (ce, (fp32, i64, 4, Tuning(threads=1024, unroll=2, l2_hints=False), True, True, True)),
-    (ce, (fp16, i32, 1, ce.TUNING, True, False, True)),
-    (jsd, (bf16, bf16, i64, 8, jsd.TUNING, jsd.FORWARD_KL, True)),
-    (jsd, (bf16, bf16, None, 8, Tuning(threads=512, unroll=4), jsd.REVERSE_KL, False)),
-    (jsd, (fp32, bf16, i64, 4, jsd.TUNING, jsd.MIXTURE, True)),
-    (jsd, (fp16, fp16, i32, 2, Tuning(threads=64, unroll=1), jsd.MIXTURE, False)),
-    (kl_div, (bf16, bf16, i64, 8, kl_div.TUNING, False, True)),
-    (kl_div, (bf16, fp32, None, 4, kl_div.TUNING, True, False)),
+    (ce, (bf16, i64, 8, ce.LAUNCH.default, False, False, False)),
+    (ce, (fp32, i64, 4, RowLaunch(threads=1024, unroll=2, l2_hints=False), True, True, True)),
+    (ce, (fp16, i32, 1, ce.LAUNCH.default, True, False, True)),
+    (jsd, (bf16, bf16, i64, 8, jsd.LAUNCH.default, jsd.FORWARD_KL, True)),
+    (jsd, (bf16, bf16, None, 8, RowLaunch(threads=512, unroll=4), jsd.REVERSE_KL, False)),
+    (jsd, (fp32, bf16, i64, 4, jsd.LAUNCH.default, jsd.MIXTURE, True)),
+    (jsd, (fp16, fp16, i32, 2, RowLaunch(threads=64, unroll=1), jsd.MIXTURE, False)),
+    (kl_div, (bf16, bf16, i64, 8, kl_div.LAUNCH.default, False, True)),
+    (kl_div, (bf16, fp32, None, 4, kl_div.LAUNCH.default, True, False)),
 ]
 
 
@@ -100,7 +100,7 @@ def test_new_rows_columns_or_row_stride_reuse_the_compile_key(recorder):
     for C, V, pad in [(3, 64, 0), (17, 1024, 0), (5, 128256, 0), (2, 256, 64)]:
         buf = torch.randn(C, V + pad)
         ce.ce_loss_and_grad(buf[:, :V], torch.zeros(C, dtype=i64))
-    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, ce.TUNING, False, False, False)
+    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, ce.LAUNCH.default, False, False, False)
 
 
 def test_vector_width_follows_alignment_of_columns_stride_and_base():
@@ -136,6 +136,27 @@ def test_host_path_passes_contiguous_labels_and_the_scale_view(recorder):
     assert args[4].shape == (1,) and args[5] == 0 and args[-1] == 0.5
     kl_div.kl_div_loss_and_grad(s, torch.softmax(t, -1), None, eps=0.0)
     assert recorder.calls[-1][-1] > 0  # eps floored: q = 0 then contributes 0, never 0 * log 0
+
+
+def test_required_arguments_only_take_the_schema_defaults(recorder):
+    """No labels, beta 0.5, temperature 1, ignore_index -100, eps 1e-10, probabilities, no scale."""
+    s, t = torch.randn(3, 64), torch.randn(3, 64)
+    jsd.jsd_loss_and_grad(s, t)
+    assert recorder.keys[-1][2:] == (None, 4, jsd.LAUNCH.default, jsd.MIXTURE, False)
+    assert recorder.calls[-1][2] is None and recorder.calls[-1][4:] == (None, 0, -100, 0.5, 1.0)
+    kl_div.kl_div_loss_and_grad(s, torch.softmax(t, -1))
+    assert recorder.keys[-1][2:] == (None, 4, kl_div.LAUNCH.default, False, False)
+    assert recorder.calls[-1][2] is None and recorder.calls[-1][4:] == (None, 0, -100, 1.0, 1e-10)
+    ce.ce_loss_and_grad(s, torch.zeros(3, dtype=i64))
+    assert recorder.keys[-1][4:] == (False, False, False) and recorder.calls[-1][5:] == (-100, 0.0, 0.0, 1.0)
+
+
+def test_launch_knobs_are_set_outside_the_op_arguments(recorder):
+    x, y = torch.randn(3, 64), torch.zeros(3, dtype=i64)
+    with ce.LAUNCH.using(threads=512, l2_hints=False):
+        ce.ce_loss_and_grad(x, y)
+    ce.ce_loss_and_grad(x, y)
+    assert [key[3] for key in recorder.keys] == [RowLaunch(threads=512, unroll=4, l2_hints=False), ce.LAUNCH.default]
 
 
 def test_fallback_views_have_the_compiled_dynamic_layouts():

@@ -1,12 +1,10 @@
 """The CuTeDSL vocab-parallel kernels (issue 11).
 
 On the CPU: every kernel variant compiles for sm_90a without spills; each wrapper's launches pass TVM-FFI's
-argument checks (a child process, as in test_cutedsl_kernels.py); empty slices launch nothing.
-On the GPU (`pytest -m gpu`): statistics per slice, combined, then the gradient pass per slice match the reference
-formulas on the whole vocabulary (tests/vp_checks.py): one rank, uneven slices after an empty one, every option.
+argument checks (a child process, as in test_cutedsl_kernels.py); empty slices launch nothing. Their results on a
+GPU, slices combined against the whole-vocabulary formulas, are tests/test_vocab_parallel_kernels.py's (`-m gpu`).
 """
 
-import inspect
 import sys
 
 import pytest
@@ -14,15 +12,12 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
+from liger_dispatch.backends.cutedsl import _support, jsd  # noqa: E402
 from liger_dispatch.backends.cutedsl import vocab_parallel as vp  # noqa: E402
-from liger_dispatch.backends.cutedsl._row import Tuning  # noqa: E402
-from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows  # noqa: E402
-from liger_dispatch.table import TABLE  # noqa: E402
-from cutedsl_checks import (check_compiled, cutedsl_impl, kl_target, run_probe, strided_rows,  # noqa: E402
-                            validate_only)
-from kernel_checks import IGNORE, check_rows_relative, reference  # noqa: E402
-from vp_checks import OPS, check_empty_slice, run_ce, run_jsd, run_kl_div, uneven  # noqa: E402
+from liger_dispatch.registry.vocab_parallel import SCHEMAS  # noqa: E402
+from liger_dispatch.backends.cutedsl._row import RowLaunch  # noqa: E402
+from cutedsl_checks import check_compiled, cutedsl_impl, run_probe, validate_only  # noqa: E402
+from vp_checks import check_empty_slice  # noqa: E402
 
 bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32
 COMPILE_CACHES = ("_ce_stats", "_ce_grad", "_jsd_stats", "_jsd_sums", "_jsd_grad", "_kl_div_stats", "_kl_div_grad")
@@ -31,11 +26,10 @@ COMPILE_CACHES = ("_ce_stats", "_ce_grad", "_jsd_stats", "_jsd_sums", "_jsd_grad
 # ---------------------------------------------------------------------------------------------- CPU
 
 
-def test_registered_for_every_op_with_its_signature_and_one_capability():
-    for op in OPS:
+def test_registered_for_every_op_with_one_capability():
+    for op in SCHEMAS:
         impl = cutedsl_impl(op)
         assert impl.fn is getattr(vp, op) and impl.priority == _support.PRIORITY and impl.capability == vp.CAPABILITY
-        assert inspect.signature(impl.fn) == inspect.signature(TABLE.spec(op).check), op
 
 
 def test_capability_judges_the_slice_and_its_index_tensor_wherever_it_is_passed():
@@ -48,21 +42,21 @@ def test_capability_judges_the_slice_and_its_index_tensor_wherever_it_is_passed(
 
 
 VARIANTS = [
-    ("_ce_stats", (bf16, i64, 8, ce.TUNING, False)),
-    ("_ce_stats", (fp32, i32, 1, ce.TUNING, True)),
-    ("_ce_grad", (bf16, i64, 8, ce.TUNING, True, True)),
-    ("_ce_grad", (fp16, i64, 2, Tuning(threads=1024, unroll=2, l2_hints=False), False, False)),
-    ("_jsd_stats", (bf16, bf16, i64, 8, jsd.TUNING)),
-    ("_jsd_sums", (bf16, bf16, i64, 8, jsd.TUNING, jsd.FORWARD_KL)),
-    ("_jsd_sums", (fp32, bf16, None, 4, jsd.TUNING, jsd.REVERSE_KL)),
-    ("_jsd_sums", (bf16, bf16, i32, 8, jsd.TUNING, jsd.MIXTURE)),
-    ("_jsd_grad", (bf16, bf16, i64, 8, jsd.TUNING, jsd.FORWARD_KL, True)),
-    ("_jsd_grad", (bf16, bf16, None, 8, jsd.TUNING, jsd.REVERSE_KL, False)),
-    ("_jsd_grad", (fp16, fp16, i64, 2, Tuning(threads=64, unroll=1), jsd.MIXTURE, True)),
-    ("_kl_div_stats", (bf16, bf16, i64, 8, kl_div.TUNING, False)),
-    ("_kl_div_stats", (bf16, fp32, None, 4, kl_div.TUNING, True)),
-    ("_kl_div_grad", (bf16, bf16, i64, 8, kl_div.TUNING, False, True)),
-    ("_kl_div_grad", (fp32, fp32, None, 4, kl_div.TUNING, True, False)),
+    ("_ce_stats", (bf16, i64, 8, vp.CE_LAUNCH.default, False)),
+    ("_ce_stats", (fp32, i32, 1, vp.CE_LAUNCH.default, True)),
+    ("_ce_grad", (bf16, i64, 8, vp.CE_LAUNCH.default, True, True)),
+    ("_ce_grad", (fp16, i64, 2, RowLaunch(threads=1024, unroll=2, l2_hints=False), False, False)),
+    ("_jsd_stats", (bf16, bf16, i64, 8, vp.JSD_LAUNCH.default)),
+    ("_jsd_sums", (bf16, bf16, i64, 8, vp.JSD_LAUNCH.default, jsd.FORWARD_KL)),
+    ("_jsd_sums", (fp32, bf16, None, 4, vp.JSD_LAUNCH.default, jsd.REVERSE_KL)),
+    ("_jsd_sums", (bf16, bf16, i32, 8, vp.JSD_LAUNCH.default, jsd.MIXTURE)),
+    ("_jsd_grad", (bf16, bf16, i64, 8, vp.JSD_LAUNCH.default, jsd.FORWARD_KL, True)),
+    ("_jsd_grad", (bf16, bf16, None, 8, vp.JSD_LAUNCH.default, jsd.REVERSE_KL, False)),
+    ("_jsd_grad", (fp16, fp16, i64, 2, RowLaunch(threads=64, unroll=1), jsd.MIXTURE, True)),
+    ("_kl_div_stats", (bf16, bf16, i64, 8, vp.KL_DIV_LAUNCH.default, False)),
+    ("_kl_div_stats", (bf16, fp32, None, 4, vp.KL_DIV_LAUNCH.default, True)),
+    ("_kl_div_grad", (bf16, bf16, i64, 8, vp.KL_DIV_LAUNCH.default, False, True)),
+    ("_kl_div_grad", (fp32, fp32, None, 4, vp.KL_DIV_LAUNCH.default, True, False)),
 ]
 
 
@@ -75,7 +69,7 @@ def test_kernel_compiles_for_sm90a_without_spills(cache, key, tmp_path, monkeypa
 def test_empty_slices_launch_nothing(monkeypatch):
     for cache in COMPILE_CACHES:
         monkeypatch.setattr(vp, cache, None)  # a launch would fail
-    check_empty_slice(vp, "cpu")
+    check_empty_slice(lambda op: getattr(vp, op), "cpu")
 
 
 @pytest.mark.skipif(not _support.USE_TVM_FFI, reason="apache-tvm-ffi is not installed")
@@ -120,66 +114,6 @@ def _probe_calls():
         return 0
     print("a teacher of the wrong width was accepted")
     return 1
-
-
-# ---------------------------------------------------------------------------------------------- GPU
-
-
-GPU_DTYPES = [bf16, fp32]
-GPU_VOCABS = [1000, 32003, 128256]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("V", GPU_VOCABS)
-@pytest.mark.parametrize("one_rank", [True, False])
-def test_gpu_ce_slices_combine_to_the_whole_vocabulary(dtype, V, one_rank):
-    torch.manual_seed(0)
-    C = 6
-    bounds = ((0, V),) if one_rank else uneven(V)
-    for options, scale in [({}, None), (dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=20.0), "per-row")]:
-        x = strided_rows(C, V, dtype, pad=8)
-        target = torch.randint(0, V, (C,), device="cuda")
-        target[1] = IGNORE
-        target[2], target[3] = bounds[-1][0], V - 1  # the first and last column of the last slice
-        grad_scale = None if scale is None else torch.rand(C, device="cuda")
-        expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE, **options), x, grad_scale)
-        loss = run_ce(vp, x, target, bounds, grad_scale=grad_scale, **options)
-        check_rows_relative(loss, x, *expected)
-        assert not x[1].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("V", GPU_VOCABS)
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_gpu_jsd_slices_combine_to_the_whole_vocabulary(dtype, V, beta):
-    torch.manual_seed(0)
-    C = 5
-    s, t = strided_rows(C, V, dtype, pad=16), strided_rows(C, V, dtype)
-    labels = torch.tensor([0, IGNORE, 3, 4, 5], device="cuda")
-    grad_scale = torch.tensor(0.5, device="cuda").expand(C)
-    options = dict(beta=beta, temperature=2.0)
-    expected = reference(lambda z: jsd_rows(z, t, labels, ignore_index=IGNORE, **options), s, grad_scale)
-    loss = run_jsd(vp, s, t, labels, uneven(V), grad_scale=grad_scale, **options)
-    check_rows_relative(loss, s, *expected)
-    assert not s[1].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("V", GPU_VOCABS)
-@pytest.mark.parametrize("log_target", [False, True])
-def test_gpu_kl_div_slices_combine_to_the_whole_vocabulary(dtype, V, log_target):
-    torch.manual_seed(0)
-    C = 4
-    s = strided_rows(C, V, dtype)
-    target = kl_target(C, V, dtype, log_target)
-    labels = torch.tensor([0, 1, IGNORE, 3], device="cuda")
-    options = dict(temperature=1.5, log_target=log_target)
-    expected = reference(lambda z: kl_div_rows(z, target, labels, ignore_index=IGNORE, **options), s)
-    loss = run_kl_div(vp, s, target, labels, uneven(V), **options)
-    check_rows_relative(loss, s, *expected)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ names, third-party backends, discovery failures, concurrency, explain."""
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +21,18 @@ CUDA_ONLY = ld.Capability(devices=("cuda",), min_cc=(9, 0))
 @pytest.fixture
 def toy(isolated_table):
     """An op `toy(x)` served by alpha (priority 5), beta (priority 7), a CUDA-only gamma and the reference."""
-    isolated_table.declare_op(OpSpec("toy", "kernel", lambda x, scale=1.0: None, aliases=("toy_alias",)))
+    isolated_table.declare_op(OpSpec("toy(Tensor x, float scale=1.0) -> Tensor", "kernel", lambda a: None,
+                                     aliases=("toy_alias",)))
     for name, priority, cap in (("alpha", 5, CPU), ("beta", 7, CPU), ("gamma", 1, CUDA_ONLY), ("reference", 100, CPU)):
-        ld.register_backend("toy", backend=name, priority=priority, capability=cap)(
-            lambda x, scale=1.0, _n=name: (_n, x * scale))
+        ld.register_backend("toy", backend=name, priority=priority, capability=cap)(_toy(name))
     return dispatch.op("toy")
+
+
+def _toy(name):
+    def toy(x, scale=1.0):
+        return name, x * scale
+
+    return toy
 
 
 def served(handle, *args, **kwargs):
@@ -90,13 +98,13 @@ def test_unknown_op_and_alias(toy):
 
 
 def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
-    isolated_table.declare_op(OpSpec("sized", "kernel", lambda x: None))
+    isolated_table.declare_op(OpSpec("sized(Tensor x) -> Tensor", "kernel", lambda a: None))
     small_only = ld.Capability(devices=("cpu",), predicate=lambda x: "too large" if x.numel() > 4 else None)
     ld.register_backend("sized", backend="alpha", priority=1, capability=small_only)(lambda x: "alpha")
     ld.register_backend("sized", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
     handle = dispatch.op("sized")
     assert handle(torch.ones(2)) == "alpha"
-    with pytest.warns(FallbackWarning, match=r"no backend better than the reference.*too large"):
+    with pytest.warns(FallbackWarning, match=r"no backend other than the reference can serve this call \[alpha: too large\]"):
         assert handle(torch.ones(8)) == "reference"  # auto mode falls through, loudly; explain tells why
     assert "too large" in str(handle.explain(torch.ones(8)))
     monkeypatch.setenv("LIGER_BACKEND", "alpha")
@@ -106,7 +114,7 @@ def test_predicate_rejection_falls_to_next_backend(isolated_table, monkeypatch):
 
 
 def test_dtype_capability_checks_every_float_tensor(isolated_table):
-    isolated_table.declare_op(OpSpec("pair", "kernel", lambda a, b: None))
+    isolated_table.declare_op(OpSpec("pair(Tensor a, Tensor b) -> Tensor", "kernel", lambda a: None))
     ld.register_backend("pair", backend="alpha", priority=1,
                         capability=ld.Capability(devices=("cpu",), dtypes=(torch.float32,)))(lambda a, b: "alpha")
     ld.register_backend("pair", backend="reference", priority=100, capability=CPU)(lambda a, b: "reference")
@@ -122,7 +130,8 @@ def test_third_party_backend_by_decorator_serves_the_composed_user_op(isolated_t
     calls = []
 
     @ld.register_backend("jsd_loss_and_grad", backend="mine", priority=5, capability=ld.Capability(devices=("cpu",)))
-    def my_jsd(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0, grad_scale=None):
+    def my_jsd(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+               grad_scale=None):
         calls.append(student_logits.shape)
         return jsd_loss_and_grad(student_logits, teacher_logits, labels, beta=beta, ignore_index=ignore_index,
                                  temperature=temperature, grad_scale=grad_scale)
@@ -155,17 +164,20 @@ def test_discovery_failure_is_recorded_and_does_not_break_others(isolated_table)
     assert status["reference"] is None
 
 
-def test_concurrent_first_use_imports_once(isolated_table, tmp_path, monkeypatch):
-    module = tmp_path / "slow_backend_mod.py"
-    module.write_text(
-        "import time, torch, liger_dispatch as ld\n"
-        "IMPORTS = globals().get('IMPORTS', 0) + 1\n"
-        "time.sleep(0.3)\n"
-        "@ld.register_backend('slow_op', backend='slow', priority=1, capability=ld.Capability(devices=('cpu',)))\n"
-        "def slow(x):\n    return 'slow'\n")
+def lazy_backend(table, tmp_path, monkeypatch, op, backend, prologue=""):
+    """Declares `op` and a backend module <backend>_backend_mod (imported on first use) whose impl returns its name."""
+    (tmp_path / f"{backend}_backend_mod.py").write_text(
+        f"import liger_dispatch as ld\n{prologue}"
+        f"@ld.register_backend('{op}', backend='{backend}', priority=1, capability=ld.Capability(devices=('cpu',)))\n"
+        f"def impl(x):\n    return '{backend}'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    isolated_table.declare_op(OpSpec("slow_op", "kernel", lambda x: None))
-    ld.declare_op_locations("slow_op", {"slow": "slow_backend_mod"})
+    table.declare_op(OpSpec(f"{op}(Tensor x) -> Tensor", "kernel", lambda a: None))
+    ld.declare_op_locations(op, {backend: f"{backend}_backend_mod"})
+
+
+def test_concurrent_first_use_imports_once(isolated_table, tmp_path, monkeypatch):
+    lazy_backend(isolated_table, tmp_path, monkeypatch, "slow_op", "slow",
+                 prologue="import time\nIMPORTS = globals().get('IMPORTS', 0) + 1\ntime.sleep(0.3)\n")
     results, errors = [], []
 
     def call():
@@ -220,3 +232,68 @@ def test_kernel_predicate_judges_the_composed_user_op(isolated_table, monkeypatc
     assert handle.select(x, torch.randn(10, 8), y).backend == "narrow"
     assert handle.select(x, torch.randn(40, 8), y).backend != "narrow"
     assert "V = 40 > 16" in str(handle.explain(x, torch.randn(40, 8), y))
+
+
+def test_reference_is_no_fallback_when_no_other_backend_accepts_the_device_type(isolated_table, monkeypatch):
+    """CPU tensors, and the only other backend runs on CUDA alone: auto picks the reference without a warning, and
+    LIGER_STRICT does not object; a backend that accepts CPU tensors but not this call still makes it a fallback."""
+    isolated_table.declare_op(OpSpec("gpu_only(Tensor x) -> Tensor", "kernel", lambda a: None))
+    ld.register_backend("gpu_only", backend="gamma", priority=1, capability=CUDA_ONLY)(lambda x: "gamma")
+    ld.register_backend("gpu_only", backend="reference", priority=100, capability=CPU)(lambda x: "reference")
+    monkeypatch.setenv("LIGER_STRICT", "true")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.op("gpu_only")(torch.ones(2)) == "reference"
+    assert "fallback" not in str(dispatch.op("gpu_only").explain(torch.ones(2)))
+    fp32_only = ld.Capability(devices=("cpu", "cuda"), dtypes=(torch.float32,))
+    ld.register_backend("gpu_only", backend="beta", priority=2, capability=fp32_only)(lambda x: "beta")
+    with pytest.raises(BackendUnavailableError, match=r"no backend other than the reference.*beta: does not support"):
+        dispatch.op("gpu_only")(torch.ones(2, dtype=torch.float16))
+    monkeypatch.delenv("LIGER_STRICT")
+    with pytest.warns(FallbackWarning) as record:
+        dispatch.op("gpu_only")(torch.ones(2, dtype=torch.float16))
+    assert "gamma" not in str(record[0].message)  # only the backends that could have served are named
+
+
+def test_fallback_warnings_point_at_the_callers_line(monkeypatch):
+    """From an nn module (under torch.nn.Module.__call__) and from a handle: the warning names this file and line."""
+    monkeypatch.setenv("LIGER_BACKEND", "cutedsl")
+    x, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    for call in (ld.nn.FusedLinearCrossEntropyLoss(), dispatch.op("flce")):
+        selection.reset()
+        with pytest.warns(FallbackWarning) as record:
+            line = sys._getframe().f_lineno + 1
+            call(x, w, y)
+        assert (record[0].filename, record[0].lineno) == (__file__, line)
+
+
+def test_a_lazy_import_leaves_its_resolution_memoized(isolated_table, tmp_path, monkeypatch):
+    """The first call imports a backend module, which registers (TABLE.version moves during the resolution): the
+    resolution is stored under the version the next call looks it up with, so it is computed once."""
+    lazy_backend(isolated_table, tmp_path, monkeypatch, "lazy_op", "lazy")
+    resolved = []
+    resolve = selection.resolve_static
+    monkeypatch.setattr(selection, "resolve_static", lambda *a: resolved.append(a) or resolve(*a))
+    handle = dispatch.op("lazy_op")
+    assert [handle(torch.ones(1)) for _ in range(3)] == ["lazy"] * 3
+    assert len(resolved) == 1
+
+
+def test_available_backends_defaults_to_this_machine_and_says_why_cuda_is_empty():
+    here = ld.available_backends("flce")
+    assert here and here[-1] == "reference"
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="this machine has no CUDA device"):
+            assert ld.available_backends("flce", device="cuda") == []
+
+
+def test_version_and_dependencies():
+    """liger_dispatch.__version__ is the installed distribution's; numpy is a dependency (without it torch warns
+    "Failed to initialize NumPy" on every run of the README's demo install)."""
+    from importlib import metadata
+
+    tomllib = pytest.importorskip("tomllib")
+    assert ld.__version__ == metadata.version("liger-dispatch")
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.startswith("numpy") for d in dependencies)

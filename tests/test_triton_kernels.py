@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
-from liger_dispatch.backends.triton import _support
+from liger_dispatch.backends.triton import _support, ce, jsd, kl_div
 from liger_dispatch.backends.triton.ce import ce_loss_and_grad
 from liger_dispatch.backends.triton.jsd import jsd_loss_and_grad
 from liger_dispatch.backends.triton.kl_div import kl_div_loss_and_grad
@@ -23,26 +23,29 @@ logits, labels = inputs(C, V)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def run_rows(kernel, rows_fn, x, *others, grad_scale=None, block=BLOCK, **options):
-    """kernel(x, *others) against the formula rows_fn: the loss and the gradient written over x; others unchanged."""
+def run_rows(module, kernel, rows_fn, x, *others, grad_scale=None, block=BLOCK, **options):
+    """kernel(x, *others) in blocks of `block` columns (None: its own choice) against the formula rows_fn: the loss
+    and the gradient written over x; others unchanged."""
     before = [None if o is None else o.clone() for o in others]
     expected = reference(lambda z: rows_fn(z, *others, ignore_index=IGNORE, **options), x, grad_scale)
-    loss = kernel(x, *others, grad_scale=grad_scale, ignore_index=IGNORE, block_size=block, **options)
+    with module.LAUNCH.using(block_size=block):
+        loss = kernel(x, *others, grad_scale=grad_scale, ignore_index=IGNORE, **options)
     check(loss, x, *expected)
     for o, b in zip(others, before):
         assert o is None or torch.equal(o, b)
 
 
 def run_ce(x, target, grad_scale=None, block=BLOCK, **options):
-    run_rows(ce_loss_and_grad, ce_rows, x, target, grad_scale=grad_scale, block=block, **options)
+    run_rows(ce, ce_loss_and_grad, ce_rows, x, target, grad_scale=grad_scale, block=block, **options)
 
 
 def run_jsd(student, teacher, lab, grad_scale=None, block=BLOCK, **options):
-    run_rows(jsd_loss_and_grad, jsd_rows, student, teacher, lab, grad_scale=grad_scale, block=block, **options)
+    run_rows(jsd, jsd_loss_and_grad, jsd_rows, student, teacher, lab, grad_scale=grad_scale, block=block, **options)
 
 
 def run_kl(student, target, lab, grad_scale=None, block=BLOCK, **options):
-    run_rows(kl_div_loss_and_grad, kl_div_rows, student, target, lab, grad_scale=grad_scale, block=block, **options)
+    run_rows(kl_div, kl_div_loss_and_grad, kl_div_rows, student, target, lab, grad_scale=grad_scale, block=block,
+             **options)
 
 
 def probabilities(rows=C, vocab=V, dtype=torch.float32, zeros=20):
@@ -145,7 +148,8 @@ def test_jsd_identical_distributions_are_zero():
     x = logits()
     for beta in (0.0, 0.5, 1.0):
         student = x.clone()
-        loss = jsd_loss_and_grad(student, x, None, beta=beta, temperature=2.0, block_size=BLOCK)
+        with jsd.LAUNCH.using(block_size=BLOCK):
+            loss = jsd_loss_and_grad(student, x, None, beta=beta, temperature=2.0)
         torch.testing.assert_close(loss, torch.zeros_like(loss), atol=1e-6, rtol=0)
         torch.testing.assert_close(student, torch.zeros_like(student), atol=1e-7, rtol=0)
 
@@ -158,6 +162,31 @@ def test_kl_zero_probabilities(log_target, target_dtype):
         target = target.float().log().to(target_dtype)  # -inf where the probability is 0
     run_kl(logits(dtype=torch.bfloat16), target, labels(ignored=(4,)), grad_scale_of("per-row"),
            temperature=2.0, log_target=log_target)
+
+
+@pytest.mark.parametrize("reads", [1, 2])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mass", [1.0, 0.7])
+def test_kl_target_read_once_or_twice(reads, target_dtype, mass):
+    """Both variants on both target dtypes; a target summing to 0.7 takes the single-read variant's fix-up pass."""
+    with kl_div.LAUNCH.using(target_reads=reads):
+        run_kl(logits(dtype=torch.bfloat16), (probabilities() * mass).to(target_dtype), labels(ignored=(2,)),
+               grad_scale_of("per-row"), temperature=1.5)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_kl_unnormalized_log_target_read_once(logits_dtype):
+    target = (probabilities() * 1.25).log()  # sums to 1.25; -inf where the probability is 0
+    with kl_div.LAUNCH.using(target_reads=1):
+        run_kl(logits(dtype=logits_dtype), target, None, grad_scale_of("0-d"), log_target=True)
+
+
+def test_kl_variant_by_target_dtype():
+    fp32, bf16 = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)
+    assert kl_div.reads_target_once(fp32, kl_div.LAUNCH.current)
+    assert not kl_div.reads_target_once(bf16, kl_div.LAUNCH.current)
+    with kl_div.LAUNCH.using(target_reads=2) as knobs:
+        assert not kl_div.reads_target_once(fp32, knobs)
 
 
 @pytest.mark.parametrize("eps", [1e-8, 0.0])
@@ -176,8 +205,8 @@ def test_launch_configuration():
     assert _support.row_launch(128256, bf16) == dict(BLOCK=8192, NUM_STAGES=_support.NUM_STAGES, num_warps=16)
     assert _support.row_launch(128256, bf16, fp32)["BLOCK"] == 4096  # the widest input sets the block
     assert _support.row_launch(300, bf16) == dict(BLOCK=512, NUM_STAGES=_support.NUM_STAGES, num_warps=1)
-    assert _support.row_launch(300, bf16, block_size=64, num_warps=2, num_stages=1) == dict(
-        BLOCK=64, NUM_STAGES=1, num_warps=2)
+    knobs = _support.RowLaunch(block_size=64, num_warps=2, num_stages=1)
+    assert _support.row_launch(300, bf16, knobs=knobs) == dict(BLOCK=64, NUM_STAGES=1, num_warps=2)
 
 
 def test_capability_accepts_cpu_only_under_the_interpreter():
@@ -200,6 +229,8 @@ def test_gpu_real_vocab(vocab, dtype):
             temperature=2.0)
     run_jsd(logits(rows, vocab, dtype=dtype), logits(rows, vocab, dtype=dtype), target, block=None, beta=0.0)
     run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab, dtype=dtype), target, block=None)
+    for mass in (1.0, 0.8):  # an fp32 target is read once; one summing to 0.8 takes the fix-up pass
+        run_kl(logits(rows, vocab, dtype=dtype), probabilities(rows, vocab) * mass, target, block=None, temperature=2.0)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,8 @@ On the CPU they run under TRITON_INTERPRET=1 with tiny shapes and forced small t
 the real shapes (B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16).
 """
 
+import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -24,10 +26,17 @@ SPLIT_FWD = dict(BM=16, BK=16, split=2)
 GROUPED_BWD = dict(BM=16, BK=16, groups=2, BR=4)
 
 
+@contextlib.contextmanager
+def launch(fwd_config=None, bwd_config=None):
+    """Forward and backward launched with these knobs (ForwardLaunch / BackwardLaunch fields) set."""
+    with mhc.FWD_LAUNCH.using(**(fwd_config or {})), mhc.BWD_LAUNCH.using(**(bwd_config or {})):
+        yield
+
+
 def run(m, hc, c, tmax, dtype=torch.float32, present=(True, True, True), fwd_config=None, bwd_config=None,
         x_row_stride=None, phi_dtype=None, **checks):
-    return check_mhc(mhc, m, hc, c, tmax, dtype, present, x_row_stride, phi_dtype, dict(config=fwd_config),
-                     dict(config=bwd_config), **checks)
+    with launch(fwd_config, bwd_config):
+        return check_mhc(mhc, m, hc, c, tmax, dtype, present, x_row_stride, phi_dtype, **checks)
 
 
 # ---------------------------------------------------------------- CPU (interpreter), tiny shapes
@@ -102,23 +111,27 @@ def test_calls_of_one_shape_that_differ_elsewhere():
 
 
 @pytest.mark.parametrize("views", [False, True], ids=["fresh", "views"])
-def test_user_level_outputs_take_in_place_changes(views):
+def test_user_level_outputs_take_in_place_changes(views, isolated_table):
     """The composed op's outputs are no views made inside its autograd Function (autograd forbids changing
-    those in place), also when a backend's forward returns views."""
+    those in place), also when a backend's forward returns views (a backend registered here: Triton's kernels,
+    its forward's outputs made views)."""
+    from liger_dispatch import dispatch, register_backend
     from liger_dispatch.backends.reference.formulas import mhc_coeffs
-    from liger_dispatch.mhc import compose_mhc
 
+    @functools.wraps(mhc.mhc_coeff_fwd)
     def fwd(*args, **kwargs):
         pre, post, res, mix, rstd = mhc.mhc_coeff_fwd(*args, **kwargs)
         return (pre.t().contiguous().t(), post[:, :], res, mix, rstd) if views else (pre, post, res, mix, rstd)
 
+    register_backend("mhc_coeff_fwd", backend="views", capability=mhc.MHC_CAPABILITY)(fwd)
+    register_backend("mhc_coeff_bwd", backend="views", capability=mhc.MHC_CAPABILITY)(mhc.mhc_coeff_bwd)
     hc, tmax = 4, 3
     x, phi, b, *alphas = inputs(6, hc, 8)
     leaves = [t.reshape(2, 3, hc, 8) if t is x else t for t in (x, phi, b, *alphas)]
     got = [t.clone().requires_grad_() for t in leaves]
     want = [t.double().requires_grad_() for t in leaves]
     weights = [u.reshape(2, 3, *u.shape[1:]) for u in upstream(6, hc)]
-    outs = compose_mhc(fwd, mhc.mhc_coeff_bwd)(*got, tmax=tmax, **OPTIONS)
+    outs = dispatch.op("mhc_coeffs", backend="views")(*got, tmax=tmax, **OPTIONS)
     for h in outs:
         h.mul_(2.0)
     sum((h * u).sum() for h, u in zip(outs, weights)).backward()
@@ -194,11 +207,18 @@ def _check_direct_launch():
             return a.dtype, a.shape, a.stride(), a.data_ptr() % 16
         return a
 
+    def same_argument(direct, through_triton):
+        """A direct launch passes a tensor as its address (an int): the alignment Triton specialized on must hold."""
+        if isinstance(through_triton, torch.Tensor) and type(direct) is int:
+            return direct % 16 == through_triton.data_ptr() % 16
+        return layout(direct) == layout(through_triton)
+
     def call(args, grads, hc, fwd_config, bwd_config):
         launches.clear()
-        outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, config=fwd_config, **OPTIONS)
-        mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, config=bwd_config, **OPTIONS)
-        return [(kernel, a[:6], [layout(v) for v in a[9:]], a[6:9]) for kernel, a in launches]
+        with launch(fwd_config, bwd_config):
+            outs = mhc.mhc_coeff_fwd(*args, hc=hc, tmax=3, **OPTIONS)
+            mhc.mhc_coeff_bwd(*args, outs[3], outs[4], *grads, hc=hc, tmax=3, **OPTIONS)
+        return [(kernel, a[:6], list(a[9:]), a[6:9]) for kernel, a in launches]
 
     misaligned = torch.zeros(2)[1]  # 4 bytes into its buffer
     cases = [  # (inputs, upstream gradients present, fwd config, bwd config, arguments changed after the first call)
@@ -221,8 +241,11 @@ def _check_direct_launch():
         mhc._FAST_LAUNCH = True
         assert len(direct) == len(through_triton) == (5 if fwd_config else 4), shape
         for d, t in zip(direct, through_triton):
-            assert d[:3] == t[:3], (shape, d, t)
+            assert d[:2] == t[:2], (shape, d, t)  # the same compiled kernel (specialization), grid and stream
+            assert len(d[2]) == len(t[2]) and all(map(same_argument, d[2], t[2])), (shape, d, t)
             assert (d[3] == (None, None, None)) == (not changed), d[3]  # direct: no launch hooks
+            if changed:  # through Triton's launch both times: tensors
+                assert [layout(v) for v in d[2]] == [layout(v) for v in t[2]], (shape, d, t)
 
 
 # ---------------------------------------------------------------- GPU, real shapes

@@ -25,6 +25,7 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32: the fast log2 flushes anything below to 0
 # Finite "minus infinity" for running maxima: exp2(m_old - m_new) stays 1 or 0, never NaN (-inf - -inf).
 NEG_BIG = -3.0e38
 # createpolicy.fractional.L2::evict_{last,first}.b64 with fraction 1.0 (CUTLASS's CacheHintSm90 values).
@@ -33,7 +34,7 @@ EVICT_FIRST = 0x12F0000000000000
 
 
 @dataclass(frozen=True)
-class Tuning:
+class RowLaunch:
     """Launch shape of a row kernel (part of its compile key)."""
 
     threads: int = 256  # per CTA, a power of two from 64 to 1024
@@ -66,17 +67,17 @@ class RowTiles:
     l2_hints: bool
 
     @staticmethod
-    def of(mX: cute.Tensor, row, tidx, vec: int, tuning: Tuning):
+    def of(mX: cute.Tensor, row, tidx, vec: int, launch: RowLaunch):
         dtype = mX.element_type
         bits = vec * dtype.width
-        threads, values = cute.make_layout(tuning.threads), cute.make_layout(vec)
+        threads, values = cute.make_layout(launch.threads), cute.make_layout(vec)
         load = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), dtype, num_bits_per_copy=bits), threads, values)
         store = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
                                 store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING), threads, values)
         return RowTiles(mX[row, None], cute.make_identity_tensor(mX.shape[1]), mX.shape[1], load.get_slice(tidx),
-                        store.get_slice(tidx), load, store, tuning.tile(vec), tuning.l2_hints)
+                        store.get_slice(tidx), load, store, launch.tile(vec), launch.l2_hints)
 
     def _tile(self, t, k):
         return cute.local_tile(t, (self.tile,), (k,))
@@ -156,8 +157,9 @@ def lse_merge(m_a: Float32, d_a: Float32, m_b: Float32, d_b: Float32):
 
 
 @cute.jit
-def lse_update(m: Float32, d: Float32, x2: cute.TensorSSA):
-    """Fold a tile of base-2 values (padding = -inf) into the running (max, sum exp2) state."""
+def online_softmax_step(m: Float32, d: Float32, x2: cute.TensorSSA):
+    """One tile of an online softmax in base 2: fold the tile's values (padding = -inf) into the running
+    (max, sum exp2) state."""
     m_new = cute.arch.fmax(m, x2.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0))
     e = cute.math.exp2(x2 - m_new, fastmath=True)
     d = d * cute.math.exp2(m - m_new, fastmath=True) + e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
@@ -211,11 +213,11 @@ def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     )
 
 
-def label_ignored(mLabels, row, ignore_index):
-    """Whether the row's label is ignore_index; never without labels (mLabels None)."""
+def valid_row(mLabels, row, ignore_index):
+    """Whether the row counts: its label is not ignore_index; always without labels (mLabels None)."""
     if const_expr(mLabels is None):
-        return Boolean(False)
-    return mLabels[row] == ignore_index
+        return Boolean(True)
+    return mLabels[row] != ignore_index
 
 
 @cute.jit

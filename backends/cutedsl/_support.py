@@ -11,16 +11,16 @@ the same), which is what the CPU tests check. LIGER_CUTEDSL_DUMP_DIR=<dir> keeps
 there (and on `compiled.artifacts`) for inspection.
 """
 
-import functools
 import importlib.util
-import os
 
 import torch
 
 import cutlass
 import cutlass.cute as cute
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
+
+from .._host import compile_cache
 
 PRIORITY = 10
 ARCH = "sm_90a"
@@ -28,7 +28,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int64, torch.int32)
 MAX_COLS = 2**31 - 2**20  # column indices are 32-bit inside a row (rows are addressed in 64-bit)
 
-USE_TVM_FFI = os.environ.get("LIGER_CUTEDSL_TVM_FFI", "1") != "0" and importlib.util.find_spec("tvm_ffi") is not None
+USE_TVM_FFI = settings.CUTEDSL_TVM_FFI.get() and importlib.util.find_spec("tvm_ffi") is not None
 
 CUTE_DTYPE = {
     torch.bfloat16: cutlass.BFloat16,
@@ -93,7 +93,7 @@ def compile_kernel(kernel, *args):
         options.append("--enable-tvm-ffi")
     if not torch.cuda.is_available():
         options.append(f"--gpu-arch {ARCH}")
-    dump_dir = os.environ.get("LIGER_CUTEDSL_DUMP_DIR")
+    dump_dir = settings.CUTEDSL_DUMP_DIR.get()
     if dump_dir:
         options.append(f"--keep-cubin --dump-dir {dump_dir}")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=USE_TVM_FFI)
@@ -143,6 +143,4 @@ def per_row(t):
     return None if t is None else t.contiguous()
 
 
-def cache(fn):
-    """Compile cache: one compiled kernel per distinct hashable key, for the life of the process."""
-    return functools.lru_cache(maxsize=None)(fn)
+cache = compile_cache()  # one compiled kernel per distinct key (dtypes, vector width, launch shape, flags)

@@ -11,20 +11,22 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step, tile_sum,
+                   zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=4)
+LAUNCH = LaunchKnobs("cutedsl ce_loss_and_grad", RowLaunch(threads=256, unroll=4))
 
 
 class CrossEntropyKernel:
-    def __init__(self, vec, tuning, has_scale, has_softcap, has_smoothing):
+    def __init__(self, vec, launch, has_scale, has_softcap, has_smoothing):
         self.vec = vec
-        self.tuning = tuning
-        self.tile = tuning.tile(vec)
+        self.launch = launch
+        self.tile = launch.tile(vec)
         self.has_scale = has_scale
         self.has_softcap = has_softcap
         self.has_smoothing = has_smoothing
@@ -34,7 +36,7 @@ class CrossEntropyKernel:
                  scale_step: Int32, ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
                  softcap: Float32, stream):
         self.kernel(mX, mTarget, mLoss, mScale, scale_step, ignore_index, smoothing, lse_square_scale, softcap).launch(
-            grid=[mX.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
+            grid=[mX.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
 
     @cute.jit
     def logits(self, x: cute.TensorSSA, softcap: Float32):
@@ -50,8 +52,8 @@ class CrossEntropyKernel:
                softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 3)
-        tiles = RowTiles.of(mX, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 3)
+        tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
         n_cols = mX.shape[1]
         n_full, tail = tiles.span()
         target = mTarget[row]
@@ -95,13 +97,13 @@ class CrossEntropyKernel:
         z_sum = Float32(0.0)
         for k in cutlass.range(n_full, unroll=1):
             z, _ = self.logits(tiles.load(k, keep=True), softcap)
-            m, d = lse_update(m, d, z * LOG2E)
+            m, d = online_softmax_step(m, d, z * LOG2E)
             if const_expr(self.has_smoothing):
                 z_sum += tile_sum(z)
         if tail:
             pred = tiles.predicate(n_full)
             z, _ = self.logits(tiles.load(n_full, pred, keep=True), softcap)
-            m, d = lse_update(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
+            m, d = online_softmax_step(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
             if const_expr(self.has_smoothing):
                 z_sum += tile_sum(z)
         m, d = block_lse(m, d, buf, 0)
@@ -131,10 +133,10 @@ class CrossEntropyKernel:
 
 
 @cache
-def _compiled(dtype, target_dtype, vec, tuning, has_scale, has_softcap, has_smoothing):
+def _compiled(dtype, target_dtype, vec, launch, has_scale, has_softcap, has_smoothing):
     cdtype = CUTE_DTYPE[dtype]
     syms = Syms()
-    kernel = CrossEntropyKernel(vec, tuning, has_scale, has_softcap, has_smoothing)
+    kernel = CrossEntropyKernel(vec, launch, has_scale, has_softcap, has_smoothing)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cdtype, vec), syms.per_row(CUTE_DTYPE[target_dtype]), syms.per_row(cutlass.Float32),
         syms.flat() if has_scale else None, 0, -100, 0.0, 0.0, 1.0,
@@ -147,17 +149,14 @@ def _limits(logits, target, **_):
 
 @register_backend("ce_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
 def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-                     lse_square_scale=0.0, tuning=None):
-    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+                     lse_square_scale=0.0):
+    """Per-row cross-entropy loss [C] fp32 (unscaled); logits are overwritten with grad_scale * dloss/dlogits."""
     loss, C, V = row_losses(logits)
     if C == 0:
         return loss
     scale, step = scale_view(grad_scale)
     target = per_row(target)
-    run = _compiled(logits.dtype, target.dtype, pick_vec(V, logits), tuning or TUNING, scale is not None,
+    run = _compiled(logits.dtype, target.dtype, pick_vec(V, logits), LAUNCH.current, scale is not None,
                     softcap is not None, label_smoothing != 0.0)
     run(logits, target, loss, scale, step, ignore_index, float(label_smoothing), float(lse_square_scale),
         float(softcap) if softcap is not None else 1.0)

@@ -15,16 +15,16 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
+                   tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=2)
+LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", RowLaunch(threads=256, unroll=2))
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
-# m below the smallest normal fp32 only arises when p and q flushed to 0 too: clamp keeps log2 m finite.
-M_FLOOR = 1.1754944e-38
 
 
 def beta_case(beta):
@@ -32,19 +32,19 @@ def beta_case(beta):
 
 
 class JSDKernel:
-    def __init__(self, vec, tuning, case, has_scale):
+    def __init__(self, vec, launch, case, has_scale):
         self.vec = vec
         self.case = case
         self.has_scale = has_scale
-        self.tuning = tuning
-        self.tile = tuning.tile(vec)
+        self.launch = launch
+        self.tile = launch.tile(vec)
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
                  inv_temp: Float32, stream):
         self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
+            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
 
     @cute.jit
     def divergence(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32):
@@ -58,7 +58,8 @@ class JSDKernel:
             return q * diff, q, diff
         else:
             m = beta * p + (1.0 - beta) * q
-            lm = cute.math.log2(cute.where(m > M_FLOOR, m, M_FLOOR), fastmath=True)
+            # m below FLT_MIN only arises when p and q flushed to 0 too: the clamp keeps log2 m finite
+            lm = cute.math.log2(cute.where(m > FLT_MIN, m, FLT_MIN), fastmath=True)
             diff = lq - lm
             return beta * p * (lp - lm) + (1.0 - beta) * q * diff, q, diff
 
@@ -72,15 +73,15 @@ class JSDKernel:
         m_t = Float32(NEG_BIG)
         d_t = Float32(0.0)
         for k in cutlass.range(n_full, unroll=1):
-            m_s, d_s = lse_update(m_s, d_s, student.load(k, keep=True) * to_base2)
-            m_t, d_t = lse_update(m_t, d_t, teacher.load(k, keep=True) * to_base2)
+            m_s, d_s = online_softmax_step(m_s, d_s, student.load(k, keep=True) * to_base2)
+            m_t, d_t = online_softmax_step(m_t, d_t, teacher.load(k, keep=True) * to_base2)
         if tail:
             pred = student.predicate(n_full)
             mask = student.element_mask(pred)
             s2 = student.load(n_full, pred, keep=True) * to_base2
             t2 = teacher.load(n_full, pred, keep=True) * to_base2
-            m_s, d_s = lse_update(m_s, d_s, cute.where(mask, s2, -Float32.inf))
-            m_t, d_t = lse_update(m_t, d_t, cute.where(mask, t2, -Float32.inf))
+            m_s, d_s = online_softmax_step(m_s, d_s, cute.where(mask, s2, -Float32.inf))
+            m_t, d_t = online_softmax_step(m_t, d_t, cute.where(mask, t2, -Float32.inf))
         m_s, d_s = block_lse(m_s, d_s, buf, 0)
         m_t, d_t = block_lse(m_t, d_t, buf, 2)
         return m_s + cute.math.log2(d_s, fastmath=True), m_t + cute.math.log2(d_t, fastmath=True)
@@ -143,14 +144,14 @@ class JSDKernel:
                inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 6)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 6)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
-        ignored = _row.label_ignored(mLabels, row, ignore_index)
+        valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
-        if ignored:
+        if not valid:
             zero_row(student, n_full, tail)
         else:
             to_base2 = inv_temp * LOG2E
@@ -180,10 +181,10 @@ class JSDKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, launch, case, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = JSDKernel(vec, tuning, case, has_scale)
+    kernel = JSDKernel(vec, launch, case, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
@@ -191,17 +192,14 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
     ))
 
 
-def _limits(student_logits, _other, labels, **_):
+def _limits(student_logits, _other, labels=None, **_):
     return row_limits(student_logits, labels)
 
 
 @register_backend("jsd_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
-def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
-                      grad_scale=None, tuning=None):
-    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+                      grad_scale=None):
+    """Per-row generalized JSD [C] fp32 (unscaled); student_logits overwritten with grad_scale * dloss/dstudent."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -209,6 +207,6 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_in
     vec = pick_vec(V, student_logits, teacher_logits)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
-                    tuning or TUNING, beta_case(float(beta)), scale is not None)
+                    LAUNCH.current, beta_case(float(beta)), scale is not None)
     run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))
     return loss

@@ -11,24 +11,24 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowTiles, Tuning, block_lse, block_sum, lse_update, tile_sum, zero_row
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
+                   tile_sum, zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-TUNING = Tuning(threads=256, unroll=2)
-# log max(q, eps) with eps floored at the smallest normal fp32: q = 0 then gives 0 * finite = 0, also for eps = 0.
-EPS_FLOOR = 1.1754944e-38
+LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", RowLaunch(threads=256, unroll=2))
 
 
 class KLDivKernel:
-    def __init__(self, vec, tuning, log_target, has_scale):
+    def __init__(self, vec, launch, log_target, has_scale):
         self.vec = vec
         self.log_target = log_target
         self.has_scale = has_scale
-        self.tuning = tuning
-        self.tile = tuning.tile(vec)
+        self.launch = launch
+        self.tile = launch.tile(vec)
         # Padding must read as q = 0: probability 0, or log-probability -inf.
         self.target_fill = -float("inf") if log_target else 0.0
 
@@ -37,7 +37,7 @@ class KLDivKernel:
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
                  eps: Float32, stream):
         self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.tuning.threads, 1, 1], stream=stream)
+            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
 
     @cute.jit
     def target(self, t: cute.TensorSSA, eps: Float32):
@@ -62,7 +62,7 @@ class KLDivKernel:
         for k in cutlass.range(n_full, unroll=1):
             s = student.load(k, keep=True) * inv_temp
             q, q_log_q = self.target(target.load(k, keep=True), eps)
-            m, d = lse_update(m, d, s * LOG2E)
+            m, d = online_softmax_step(m, d, s * LOG2E)
             acc_qlogq += tile_sum(q_log_q)
             acc_qs += tile_sum(q * s)
             acc_q += tile_sum(q)
@@ -70,7 +70,7 @@ class KLDivKernel:
             pred = student.predicate(n_full)
             s = student.load(n_full, pred, keep=True) * inv_temp
             q, q_log_q = self.target(target.load(n_full, pred, self.target_fill, keep=True), eps)
-            m, d = lse_update(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
+            m, d = online_softmax_step(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
             acc_qlogq += tile_sum(q_log_q)
             acc_qs += tile_sum(q * s)
             acc_q += tile_sum(q)
@@ -99,14 +99,14 @@ class KLDivKernel:
                eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 5)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 5)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
-        ignored = _row.label_ignored(mLabels, row, ignore_index)
+        valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
 
-        if ignored:
+        if not valid:
             zero_row(student, n_full, tail)
         else:
             lse2, acc_qlogq, acc_qs, acc_q = self.statistics(student, target, n_full, tail, inv_temp, eps, buf)
@@ -123,10 +123,10 @@ class KLDivKernel:
 
 
 @cache
-def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale):
+def _compiled(s_dtype, t_dtype, label_dtype, vec, launch, log_target, has_scale):
     cs, ct = CUTE_DTYPE[s_dtype], CUTE_DTYPE[t_dtype]
     syms = Syms()
-    kernel = KLDivKernel(vec, tuning, log_target, has_scale)
+    kernel = KLDivKernel(vec, launch, log_target, has_scale)
     return Launcher(compile_kernel(
         kernel, syms.matrix(cs, vec), syms.matrix(ct, vec),
         syms.per_row(CUTE_DTYPE[label_dtype]) if label_dtype else None, syms.per_row(cutlass.Float32),
@@ -134,17 +134,14 @@ def _compiled(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale)
     ))
 
 
-def _limits(student_logits, _other, labels, **_):
+def _limits(student_logits, _other, labels=None, **_):
     return row_limits(student_logits, labels)
 
 
 @register_backend("kl_div_loss_and_grad", backend="cutedsl", priority=PRIORITY, capability=capability(_limits))
-def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                         log_target=False, grad_scale=None, tuning=None):
-    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient.
-
-    tuning: a _row.Tuning to override the launch shape (benchmarks, sweeps).
-    """
+def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                         log_target=False, grad_scale=None):
+    """Per-row KL(target || softmax(student / T)) [C] fp32 (unscaled); student_logits overwritten with its gradient."""
     loss, C, V = row_losses(student_logits)
     if C == 0:
         return loss
@@ -152,7 +149,7 @@ def kl_div_loss_and_grad(student_logits, target, labels, *, ignore_index=-100, t
     vec = pick_vec(V, student_logits, target)
     labels = per_row(labels)
     run = _compiled(student_logits.dtype, target.dtype, labels.dtype if labels is not None else None, vec,
-                    tuning or TUNING, bool(log_target), scale is not None)
+                    LAUNCH.current, bool(log_target), scale is not None)
     run(student_logits, target, labels, loss, scale, step, ignore_index, 1.0 / float(temperature),
-        max(float(eps), EPS_FLOOR))
+        max(float(eps), FLT_MIN))  # log max(q, eps) stays finite: q = 0 gives 0 * finite = 0, also for eps = 0
     return loss

@@ -25,8 +25,6 @@ Registered after Triton and before Helion: on the H200 Triton's kernels are stil
 shapes (benchmarks/NOTES.md), so auto mode picks these only where Triton cannot serve (hc = 3, say).
 """
 
-import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +36,8 @@ from cutlass import Float32, Int32
 
 from liger_dispatch import register_backend
 
+from .._host import contiguous, sm_count
+from .._launch import LaunchKnobs
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from . import _row
 from ._mhc_rows import dot, sigmoid, sinkhorn, sinkhorn_backward
@@ -72,6 +72,10 @@ class BackwardLaunch:
     max_vec: int = 4  # columns of x a thread takes, at most
     unroll: int = 2  # steps of 8 rows whose loads are issued together
     warps_per_sm: int = 12  # what the grid (its row groups) aims to keep resident
+
+
+FWD_LAUNCH = LaunchKnobs("cutedsl mhc_coeff_fwd", ForwardLaunch())
+BWD_LAUNCH = LaunchKnobs("cutedsl mhc_coeff_bwd", BackwardLaunch())
 
 
 def _unsupported(x, phi, *args, hc, **kwargs):
@@ -491,11 +495,6 @@ def _reduce(phi_dtype, n):
                                    _vector(n + 3), 0))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def forward_splits(M, K, vec, n_sms, warps_per_sm):
     """K splits of the forward: as many as keep the warps within warps_per_sm an SM, 4 k-blocks a split at least."""
     warps = cdiv(M, MMA_ROWS)
@@ -532,11 +531,7 @@ def _operands(x, phi, b):
     """x with unit column stride and 2-element aligned rows (any row stride), phi and b contiguous."""
     if x.stride(1) != 1 or pick_vec(x.shape[1], x) < 2:
         x = x.clone(memory_format=torch.contiguous_format)
-    return x, phi.contiguous(), b.contiguous()
-
-
-def _launch(default, config):
-    return default if not config else dataclasses.replace(default, **config)
+    return x, *contiguous(phi, b)
 
 
 def _alphas(*alphas):
@@ -545,9 +540,8 @@ def _alphas(*alphas):
 
 @register_backend("mhc_coeff_fwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, rms_eps=1e-6, pre_eps=0.0,
-                  sinkhorn_eps=1e-6, post_mult=2.0, config=None):
-    """config: a dict of ForwardLaunch fields to override (benchmarks, sweeps)."""
-    launch = _launch(ForwardLaunch(), config)
+                  sinkhorn_eps=1e-6, post_mult=2.0):
+    launch = FWD_LAUNCH.current
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = columns(hc), x.device
@@ -557,7 +551,7 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
     phi_t = phi.t().contiguous()
     align = pick_vec(K, x, phi_t)
     cols = forward_cols(K, align, launch.cols)
-    splits = forward_splits(M, K, cols, _num_sms(dev), launch.warps_per_sm)
+    splits = forward_splits(M, K, cols, sm_count(dev), launch.warps_per_sm)
     blocks_per_split = cdiv(cdiv(K, 4 * cols), splits)
     ws = torch.empty(splits * M, n + 1, device=dev, dtype=_F32)
     _mix_partials(x.dtype, phi.dtype, n, cols, align, launch.unroll)(x, phi_t, ws, blocks_per_split, splits)
@@ -568,14 +562,20 @@ def mhc_coeff_fwd(x, phi, b, alpha_pre, alpha_post, alpha_res, *, hc, tmax=20, r
 
 
 def _grad(g, shape):
-    return None if g is None else g.to(_F32).reshape(shape).contiguous()
+    """An upstream gradient as the producer takes it: fp32, [M, width], contiguous; no op when it already is."""
+    if g is None:
+        return None
+    if g.dtype != _F32:
+        g = g.to(_F32)
+    if g.shape != shape:
+        g = g.reshape(shape)
+    return g if g.is_contiguous() else g.contiguous()
 
 
 @register_backend("mhc_coeff_bwd", backend="cutedsl", priority=MHC_PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
-                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None):
-    """config: a dict of BackwardLaunch fields to override (benchmarks, sweeps)."""
-    launch = _launch(BackwardLaunch(), config)
+                  hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0):
+    launch = BWD_LAUNCH.current
     x, phi, b = _operands(x, phi, b)
     M, K = x.shape
     n, dev = columns(hc), x.device
@@ -587,11 +587,11 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     coef = torch.empty(M, device=dev, dtype=_F32)
     part = torch.empty(cdiv(M, PRODUCER_THREADS), n + 3, device=dev, dtype=_F32)
     _coefficient_backward(hc, tmax, *(g is not None for g in grads))(
-        mix.contiguous(), rstd.contiguous(), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
+        *contiguous(mix, rstd), b, *_alphas(alpha_pre, alpha_post, alpha_res), *grads, gz, coef, part, K,
         float(sinkhorn_eps), float(post_mult))
 
     vec = matmul_vec(K, n, launch.max_vec, x, grad_x)
-    groups, rows_per_group = matmul_groups(M, K, vec, _num_sms(dev), launch.warps_per_sm)
+    groups, rows_per_group = matmul_groups(M, K, vec, sm_count(dev), launch.warps_per_sm)
     ws = torch.empty(groups * K, n, device=dev, dtype=_F32)
     _matmul_backward(x.dtype, phi.dtype, n, vec, launch.unroll)(x, phi, gz, coef, grad_x, ws, rows_per_group, groups)
     _reduce(phi.dtype, n)(ws.view(-1), grad_phi.view(-1), part, grad_b_alpha, groups)

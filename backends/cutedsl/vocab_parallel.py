@@ -17,17 +17,23 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
+from .._launch import LaunchKnobs
 from .._vp_rows import row_stats
 from . import _row, ce, jsd, kl_div
-from ._row import LN2, LOG2E, RowTiles, block_sum, zero_row
+from ._row import FLT_MIN, LN2, LOG2E, RowTiles, block_sum, zero_row
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, beta_case
 
+# the row-kernel knobs of each family's vocab-parallel kernels, by default those of its single-vocabulary kernel
+CE_LAUNCH = LaunchKnobs("cutedsl ce vocab-parallel ops", ce.LAUNCH.default)
+JSD_LAUNCH = LaunchKnobs("cutedsl jsd vocab-parallel ops", jsd.LAUNCH.default)
+KL_DIV_LAUNCH = LaunchKnobs("cutedsl kl_div vocab-parallel ops", kl_div.LAUNCH.default)
+
 
 def _launch(kernel, mX, *args, stream):
     """One CTA per row of mX."""
-    kernel.kernel(mX, *args).launch(grid=[mX.shape[0], 1, 1], block=[kernel.tuning.threads, 1, 1], stream=stream)
+    kernel.kernel(mX, *args).launch(grid=[mX.shape[0], 1, 1], block=[kernel.launch.threads, 1, 1], stream=stream)
 
 
 # ---------------------------------------------------------------- cross-entropy
@@ -36,8 +42,8 @@ def _launch(kernel, mX, *args, stream):
 class CEStatsKernel(ce.CrossEntropyKernel):
     """(lse, z_target if owned here else 0, sum z) per row."""
 
-    def __init__(self, vec, tuning, has_softcap):
-        super().__init__(vec, tuning, has_scale=False, has_softcap=has_softcap, has_smoothing=True)
+    def __init__(self, vec, launch, has_softcap):
+        super().__init__(vec, launch, has_scale=False, has_softcap=has_softcap, has_smoothing=True)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mStats: cute.Tensor, vocab_start: Int64,
@@ -49,8 +55,8 @@ class CEStatsKernel(ce.CrossEntropyKernel):
                ignore_index: Int64, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 3)
-        tiles = RowTiles.of(mX, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 3)
+        tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
         n_full, tail = tiles.span()
         target = mTarget[row]
         lse = Float32(0.0)
@@ -72,8 +78,8 @@ class CEStatsKernel(ce.CrossEntropyKernel):
 class CEGradKernel(ce.CrossEntropyKernel):
     """grad_scale * ((1 + 2 s lse) softmax_j - (1 - eps)[j == y] - eps / V) * dz/dx under the global lse."""
 
-    def __init__(self, vec, tuning, has_scale, has_softcap):
-        super().__init__(vec, tuning, has_scale=has_scale, has_softcap=has_softcap, has_smoothing=False)
+    def __init__(self, vec, launch, has_scale, has_softcap):
+        super().__init__(vec, launch, has_scale=has_scale, has_softcap=has_softcap, has_smoothing=False)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mLse: cute.Tensor, lse_step: Int32,
@@ -88,7 +94,7 @@ class CEGradKernel(ce.CrossEntropyKernel):
                smoothing: Float32, uniform: Float32, lse_square_scale: Float32, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        tiles = RowTiles.of(mX, row, tidx, self.vec, self.tuning)
+        tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
         n_full, tail = tiles.span()
         target = mTarget[row]
         if target == ignore_index:
@@ -109,8 +115,8 @@ class CEGradKernel(ce.CrossEntropyKernel):
 class JSDStatsKernel(jsd.JSDKernel):
     """(lse of student / T, lse of teacher / T) per row."""
 
-    def __init__(self, vec, tuning):
-        super().__init__(vec, tuning, case=MIXTURE, has_scale=False)  # the case plays no part
+    def __init__(self, vec, launch):
+        super().__init__(vec, launch, case=MIXTURE, has_scale=False)  # the case plays no part
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mStats: cute.Tensor,
@@ -122,13 +128,13 @@ class JSDStatsKernel(jsd.JSDKernel):
                ignore_index: Int64, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 4)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 4)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         lse_s = Float32(0.0)
         lse_t = Float32(0.0)
-        if not _row.label_ignored(mLabels, row, ignore_index):
+        if _row.valid_row(mLabels, row, ignore_index):
             lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, inv_temp * LOG2E, buf)
             lse_s, lse_t = lse_s * LN2, lse_t * LN2
         if tidx == 0:
@@ -139,8 +145,8 @@ class JSDStatsKernel(jsd.JSDKernel):
 class JSDSumsKernel(jsd.JSDKernel):
     """(this slice's part of the row loss, of S) per row under the global lse pair."""
 
-    def __init__(self, vec, tuning, case):
-        super().__init__(vec, tuning, case=case, has_scale=False)
+    def __init__(self, vec, launch, case):
+        super().__init__(vec, launch, case=case, has_scale=False)
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLse: cute.Tensor,
@@ -152,13 +158,13 @@ class JSDSumsKernel(jsd.JSDKernel):
                mSums: cute.Tensor, ignore_index: Int64, beta: Float32, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 2)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 2)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         loss = Float32(0.0)
         cross = Float32(0.0)
-        if not _row.label_ignored(mLabels, row, ignore_index):
+        if _row.valid_row(mLabels, row, ignore_index):
             acc_loss, acc_s = self.divergence_sums(
                 student, teacher, n_full, tail, inv_temp * LOG2E, mLse[row * 2] * LOG2E, mLse[row * 2 + 1] * LOG2E,
                 beta, True, False, Float32(0.0))
@@ -188,10 +194,10 @@ class JSDGradKernel(jsd.JSDKernel):
                beta: Float32, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.tuning)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
-        if _row.label_ignored(mLabels, row, ignore_index):
+        if not _row.valid_row(mLabels, row, ignore_index):
             zero_row(student, n_full, tail)
         else:
             coef = inv_temp
@@ -211,8 +217,8 @@ class JSDGradKernel(jsd.JSDKernel):
 class KLDivStatsKernel(kl_div.KLDivKernel):
     """(lse of student / T, sum q, sum q log q, sum q s) per row."""
 
-    def __init__(self, vec, tuning, log_target):
-        super().__init__(vec, tuning, log_target, has_scale=False)
+    def __init__(self, vec, launch, log_target):
+        super().__init__(vec, launch, log_target, has_scale=False)
 
     @cute.jit
     def __call__(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mStats: cute.Tensor,
@@ -224,15 +230,15 @@ class KLDivStatsKernel(kl_div.KLDivKernel):
                ignore_index: Int64, inv_temp: Float32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.tuning.warps, 5)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
+        buf = _row.reduction_buffer(self.launch.warps, 5)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         lse = Float32(0.0)
         q_log_q = Float32(0.0)
         q_s = Float32(0.0)
         q_sum = Float32(0.0)
-        if not _row.label_ignored(mLabels, row, ignore_index):
+        if _row.valid_row(mLabels, row, ignore_index):
             lse2, q_log_q, q_s, q_sum = self.statistics(student, target, n_full, tail, inv_temp, eps, buf)
             lse = lse2 * LN2
         if tidx == 0:
@@ -258,17 +264,17 @@ class KLDivGradKernel(kl_div.KLDivKernel):
                scale_step: Int32, ignore_index: Int64, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        student = RowTiles.of(mS, row, tidx, self.vec, self.tuning)
-        target = RowTiles.of(mTarget, row, tidx, self.vec, self.tuning)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
-        if _row.label_ignored(mLabels, row, ignore_index):
+        if not _row.valid_row(mLabels, row, ignore_index):
             zero_row(student, n_full, tail)
         else:
             scale = inv_temp
             if const_expr(self.has_scale):
                 scale = scale * mScale[row * scale_step]
             # eps only shapes q log q, which the gradient does not use
-            self.write_grad(student, target, n_full, tail, inv_temp, Float32(kl_div.EPS_FLOOR),
+            self.write_grad(student, target, n_full, tail, inv_temp, Float32(FLT_MIN),
                             mLse[row * lse_step] * LOG2E, scale * mTotal[row * total_step], scale)
 
 
@@ -280,60 +286,60 @@ def _labels(syms, label_dtype):
 
 
 @cache
-def _ce_stats(dtype, target_dtype, vec, tuning, has_softcap):
+def _ce_stats(dtype, target_dtype, vec, launch, has_softcap):
     syms = Syms()
     return Launcher(compile_kernel(
-        CEStatsKernel(vec, tuning, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
+        CEStatsKernel(vec, launch, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
         syms.per_row(CUTE_DTYPE[target_dtype]), syms.flat(), 0, -100, 1.0))
 
 
 @cache
-def _ce_grad(dtype, target_dtype, vec, tuning, has_scale, has_softcap):
+def _ce_grad(dtype, target_dtype, vec, launch, has_scale, has_softcap):
     syms = Syms()
     return Launcher(compile_kernel(
-        CEGradKernel(vec, tuning, has_scale, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
+        CEGradKernel(vec, launch, has_scale, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
         syms.per_row(CUTE_DTYPE[target_dtype]), syms.flat(), 1, syms.flat() if has_scale else None, 0, 0, -100,
         0.0, 0.0, 0.0, 1.0))
 
 
 @cache
-def _jsd_stats(s_dtype, t_dtype, label_dtype, vec, tuning):
+def _jsd_stats(s_dtype, t_dtype, label_dtype, vec, launch):
     syms = Syms()
     return Launcher(compile_kernel(
-        JSDStatsKernel(vec, tuning), syms.matrix(CUTE_DTYPE[s_dtype], vec), syms.matrix(CUTE_DTYPE[t_dtype], vec),
+        JSDStatsKernel(vec, launch), syms.matrix(CUTE_DTYPE[s_dtype], vec), syms.matrix(CUTE_DTYPE[t_dtype], vec),
         _labels(syms, label_dtype), syms.flat(), -100, 1.0))
 
 
 @cache
-def _jsd_sums(s_dtype, t_dtype, label_dtype, vec, tuning, case):
+def _jsd_sums(s_dtype, t_dtype, label_dtype, vec, launch, case):
     syms = Syms()
     return Launcher(compile_kernel(
-        JSDSumsKernel(vec, tuning, case), syms.matrix(CUTE_DTYPE[s_dtype], vec),
+        JSDSumsKernel(vec, launch, case), syms.matrix(CUTE_DTYPE[s_dtype], vec),
         syms.matrix(CUTE_DTYPE[t_dtype], vec), _labels(syms, label_dtype), syms.flat(), syms.flat(), -100, 0.5, 1.0))
 
 
 @cache
-def _jsd_grad(s_dtype, t_dtype, label_dtype, vec, tuning, case, has_scale):
+def _jsd_grad(s_dtype, t_dtype, label_dtype, vec, launch, case, has_scale):
     syms = Syms()
     return Launcher(compile_kernel(
-        JSDGradKernel(vec, tuning, case, has_scale), syms.matrix(CUTE_DTYPE[s_dtype], vec),
+        JSDGradKernel(vec, launch, case, has_scale), syms.matrix(CUTE_DTYPE[s_dtype], vec),
         syms.matrix(CUTE_DTYPE[t_dtype], vec), _labels(syms, label_dtype), syms.flat(), syms.flat(),
         syms.flat() if has_scale else None, 0, -100, 0.5, 1.0))
 
 
 @cache
-def _kl_div_stats(s_dtype, t_dtype, label_dtype, vec, tuning, log_target):
+def _kl_div_stats(s_dtype, t_dtype, label_dtype, vec, launch, log_target):
     syms = Syms()
     return Launcher(compile_kernel(
-        KLDivStatsKernel(vec, tuning, log_target), syms.matrix(CUTE_DTYPE[s_dtype], vec),
+        KLDivStatsKernel(vec, launch, log_target), syms.matrix(CUTE_DTYPE[s_dtype], vec),
         syms.matrix(CUTE_DTYPE[t_dtype], vec), _labels(syms, label_dtype), syms.flat(), -100, 1.0, 1e-10))
 
 
 @cache
-def _kl_div_grad(s_dtype, t_dtype, label_dtype, vec, tuning, log_target, has_scale):
+def _kl_div_grad(s_dtype, t_dtype, label_dtype, vec, launch, log_target, has_scale):
     syms = Syms()
     return Launcher(compile_kernel(
-        KLDivGradKernel(vec, tuning, log_target, has_scale), syms.matrix(CUTE_DTYPE[s_dtype], vec),
+        KLDivGradKernel(vec, launch, log_target, has_scale), syms.matrix(CUTE_DTYPE[s_dtype], vec),
         syms.matrix(CUTE_DTYPE[t_dtype], vec), _labels(syms, label_dtype), syms.flat(), 1, syms.flat(), 1,
         syms.flat() if has_scale else None, 0, -100, 1.0))
 
@@ -365,7 +371,7 @@ def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=Non
     stats, C, V = row_stats(logits, 3, target, ignore_index, lse_columns=(0,))
     if C and V:
         target = per_row(target)
-        run = _ce_stats(logits.dtype, target.dtype, pick_vec(V, logits), ce.TUNING, softcap is not None)
+        run = _ce_stats(logits.dtype, target.dtype, pick_vec(V, logits), CE_LAUNCH.current, softcap is not None)
         run(logits, target, stats.view(-1), vocab_start, ignore_index, 1.0 if softcap is None else float(softcap))
     return stats
 
@@ -380,7 +386,8 @@ def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=N
     target = per_row(target)
     scale, step = scale_view(grad_scale)
     lse, lse_step = scale_view(lse)
-    run = _ce_grad(logits.dtype, target.dtype, pick_vec(V, logits), ce.TUNING, scale is not None, softcap is not None)
+    run = _ce_grad(logits.dtype, target.dtype, pick_vec(V, logits), CE_LAUNCH.current, scale is not None,
+                   softcap is not None)
     smoothing = float(label_smoothing)
     run(logits, target, lse, lse_step, scale, step, vocab_start, ignore_index, smoothing, smoothing / (vocab_size or V),
         float(lse_square_scale), 1.0 if softcap is None else float(softcap))
@@ -393,7 +400,7 @@ def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-1
     if C and V:
         labels = per_row(labels)
         run = _jsd_stats(student_logits.dtype, teacher_logits.dtype, _label_dtype(labels),
-                         pick_vec(V, student_logits, teacher_logits), jsd.TUNING)
+                         pick_vec(V, student_logits, teacher_logits), JSD_LAUNCH.current)
         run(student_logits, teacher_logits, labels, stats.view(-1), ignore_index, 1.0 / float(temperature))
     return stats
 
@@ -406,7 +413,7 @@ def jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, i
         return sums
     labels = per_row(labels)
     run = _jsd_sums(student_logits.dtype, teacher_logits.dtype, _label_dtype(labels),
-                    pick_vec(V, student_logits, teacher_logits), jsd.TUNING, beta_case(float(beta)))
+                    pick_vec(V, student_logits, teacher_logits), JSD_LAUNCH.current, beta_case(float(beta)))
     run(student_logits, teacher_logits, labels, _pairs(lse), sums.view(-1), ignore_index, float(beta),
         1.0 / float(temperature))
     return sums
@@ -422,7 +429,8 @@ def jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=
     labels = per_row(labels)
     scale, step = scale_view(grad_scale)
     run = _jsd_grad(student_logits.dtype, teacher_logits.dtype, _label_dtype(labels),
-                    pick_vec(V, student_logits, teacher_logits), jsd.TUNING, beta_case(float(beta)), scale is not None)
+                    pick_vec(V, student_logits, teacher_logits), JSD_LAUNCH.current, beta_case(float(beta)),
+                    scale is not None)
     run(student_logits, teacher_logits, labels, _pairs(lse), _pairs(sums), scale, step, ignore_index, float(beta),
         1.0 / float(temperature))
 
@@ -435,9 +443,9 @@ def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, t
     if C and V:
         labels = per_row(labels)
         run = _kl_div_stats(student_logits.dtype, target.dtype, _label_dtype(labels),
-                            pick_vec(V, student_logits, target), kl_div.TUNING, bool(log_target))
+                            pick_vec(V, student_logits, target), KL_DIV_LAUNCH.current, bool(log_target))
         run(student_logits, target, labels, stats.view(-1), ignore_index, 1.0 / float(temperature),
-            max(float(eps), kl_div.EPS_FLOOR))
+            max(float(eps), FLT_MIN))
     return stats
 
 
@@ -453,6 +461,6 @@ def kl_div_vp_grad(student_logits, target, lse, target_sum, labels=None, *, igno
     lse, lse_step = scale_view(lse)
     total, total_step = scale_view(target_sum)
     run = _kl_div_grad(student_logits.dtype, target.dtype, _label_dtype(labels), pick_vec(V, student_logits, target),
-                       kl_div.TUNING, bool(log_target), scale is not None)
+                       KL_DIV_LAUNCH.current, bool(log_target), scale is not None)
     run(student_logits, target, labels, lse, lse_step, total, total_step, scale, step, ignore_index,
         1.0 / float(temperature))

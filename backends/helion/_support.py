@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,22 +19,25 @@ import torch
 import helion
 import helion.language as hl
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
+
+from .._host import BoundedCache
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32: the fast log2 flushes anything below to 0
 KEEP, STREAM = "evict_last", "evict_first"  # load eviction: a row is read again by a later pass / the last time
 
 # Helion's generated Triton runs in Triton's interpreter under TRITON_INTERPRET=1; HELION_INTERPRET=1 runs the
 # kernel bodies eagerly in PyTorch. Either way the kernels take CPU tensors.
-TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-HELION_INTERPRETER = os.environ.get("HELION_INTERPRET") == "1"
+TRITON_INTERPRETER = settings.TRITON_INTERPRET.get()
+HELION_INTERPRETER = settings.HELION_INTERPRET.get()
 INTERPRETED = TRITON_INTERPRETER or HELION_INTERPRETER
 DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CC = (8, 0)
-AUTOTUNE = os.environ.get("LIGER_HELION_AUTOTUNE") == "1"
-CONFIG_DIR = Path(os.environ.get("LIGER_HELION_CONFIG_DIR") or Path(__file__).with_name("configs"))
+AUTOTUNE = settings.HELION_AUTOTUNE.get()
+CONFIG_DIR = Path(settings.HELION_CONFIG_DIR.get() or Path(__file__).with_name("configs"))
 
 PRIORITY = 30
 RUNS_LIMIT = 1024  # prepared launches a kernel keeps (one per call signature)
@@ -108,17 +111,16 @@ class Kernel:
         self.name = name
         self.default_config = default_config
         self.forced: Optional[dict] = None
-        self._runs: dict = {}
+        self._runs = BoundedCache(f"helion {name} launches", RUNS_LIMIT)
         Kernel.instances.append(self)
 
     def __call__(self, *args, like: torch.Tensor, shape_key, int64: bool = False):
         key = (id(self.forced), int64, *map(_arg_key, args))
-        run = self._runs.get(key)
-        if run is None:
-            if len(self._runs) >= RUNS_LIMIT:  # a run whose row count never repeats: start over
-                self._runs.clear()
-            run = self._runs[key] = self._prepare(args, like, shape_key, int64)
-        return run(*args)
+        run = self._runs.get(key, lambda: self._prepare(args, like, shape_key, int64))
+        if not TRITON_INTERPRETER:
+            return run(*args)
+        with interpreter_fixes():
+            return run(*args)
 
     def _prepare(self, args, like, shape_key, int64):
         bound = self.helion_kernel(int64).bind(args)
@@ -152,7 +154,7 @@ class Kernel:
             yield
         finally:
             self.forced = saved
-            self._runs = {k: run for k, run in self._runs.items() if k[0] != id(config)}
+            self._runs.drop(lambda key: key[0] != id(config))
 
 
 def _arg_key(arg):
@@ -203,8 +205,10 @@ def flat_rows(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- Triton interpreter
 
 
-def _patch_interpreter() -> None:
-    """Three gaps of Triton's interpreter that Helion's generated code falls into; compiled Triton is untouched.
+@functools.cache
+def _interpreter_patches() -> tuple:
+    """(owner, attribute, replacement) for three gaps of Triton's interpreter that Helion's generated code falls
+    into; compiled Triton is untouched.
 
     - Helion lowers torch.exp2 / log2 / tanh / rsqrt to libdevice, which compiled Triton links from the CUDA
       libdevice and the interpreter leaves as empty stubs: here they compute in numpy on the interpreter's arrays.
@@ -226,19 +230,16 @@ def _patch_interpreter() -> None:
 
         return fn
 
-    for name, np_fn in {
+    patches = [(libdevice, name, unary(np_fn)) for name, np_fn in {
         "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
         "rsqrt": lambda a: 1.0 / np.sqrt(a), "sqrt": np.sqrt,
-    }.items():
-        setattr(libdevice, name, unary(np_fn))
+    }.items()]
 
     patch_tensor = interpreter._patch_lang_tensor
 
     def patch_tensor_index(tensor, scope):
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    interpreter._patch_lang_tensor = patch_tensor_index
 
     create_dot = interpreter.InterpreterBuilder.create_dot
 
@@ -250,11 +251,27 @@ def _patch_interpreter() -> None:
     def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
 
-    interpreter.InterpreterBuilder.create_dot = create_dot_bf16
+    patches += [(interpreter, "_patch_lang_tensor", patch_tensor_index),
+                (interpreter.InterpreterBuilder, "create_dot", create_dot_bf16)]
+    return tuple(patches)
 
 
-if TRITON_INTERPRETER:
-    _patch_interpreter()
+_interpreter_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def interpreter_fixes():
+    """Triton's interpreter with _interpreter_patches applied while a Helion kernel runs in it, and as shipped
+    again afterwards: Triton's own kernels, the triton backend's included, never see them. One thread at a time."""
+    with _interpreter_lock:
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _interpreter_patches()]
+        for owner, name, value in _interpreter_patches():
+            setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for owner, name, value in saved:
+                setattr(owner, name, value)
 
 
 # ---------------------------------------------------------------- in-kernel helpers (inlined by Helion)
@@ -291,7 +308,7 @@ def load_f32(x, tile_c, tile_v, row_mask, policy):
     return hl.load(x, [tile_c, tile_v], extra_mask=row_mask, eviction_policy=policy).to(torch.float32)
 
 
-def online_step(m, u, in_row):
+def online_softmax_step(m, u, in_row):
     """One block of an online softmax in base 2 (Milakov & Gimelshein) over rows of u.
 
     m: running max per row; u: this block's base-2 logits. Returns the new max, alpha [rows, 1] that sums kept

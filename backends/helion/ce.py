@@ -16,7 +16,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
-    needs_int64, online_step, row_config, row_scale,
+    needs_int64, online_softmax_step, row_config, row_scale,
 )
 
 
@@ -49,7 +49,7 @@ def _ce(
             z = load_f32(logits, tile_c, tile_v, row_mask, KEEP)
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
-            m, alpha, e = online_step(m, z * LOG2E, tile_v.index[None, :] < V)
+            m, alpha, e = online_softmax_step(m, z * LOG2E, tile_v.index[None, :] < V)
             d = d * alpha + e
             if smoothing is not None:
                 z_sum = z_sum + z  # lanes past V loaded 0 (and tanh(0) = 0)

@@ -17,11 +17,9 @@ from liger_dispatch import register_backend
 
 from .._rows import row_losses
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
-    online_step, row_config, row_scale, valid_rows,
+    CAPABILITY, FLT_MIN, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
+    online_softmax_step, row_config, row_scale, valid_rows,
 )
-
-_TINY = 1.1754943508222875e-38  # smallest normal fp32: m underflows only where p and q both do
 
 
 def _kl_pair(
@@ -45,8 +43,8 @@ def _kl_pair(
             s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
             t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
-            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
-            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            m_s, alpha_s, e_s = online_softmax_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_softmax_step(m_t, t2, in_row)
             d_s = d_s * alpha_s + e_s
             d_t = d_t * alpha_t + e_t
             if reverse:
@@ -97,8 +95,8 @@ def _mixture(
             s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
             t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
-            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
-            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            m_s, alpha_s, e_s = online_softmax_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_softmax_step(m_t, t2, in_row)
             d_s = d_s * alpha_s + e_s
             d_t = d_t * alpha_t + e_t
         lse_s = m_s + log2(torch.sum(d_s, dim=1))
@@ -111,7 +109,8 @@ def _mixture(
             lt2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2 - lse_t[:, None]
             q = exp2(ls2)
             p = exp2(lt2)
-            lm2 = log2(torch.clamp_min(beta * p + (1.0 - beta) * q, _TINY))
+            # m < FLT_MIN only where p and q both underflow: the clamp keeps log2 m finite
+            lm2 = log2(torch.clamp_min(beta * p + (1.0 - beta) * q, FLT_MIN))
             in_row = tile_v.index[None, :] < V
             q_term = torch.where(in_row, q * (ls2 - lm2), 0.0)
             row_loss = row_loss + beta * torch.where(in_row, p * (lt2 - lm2), 0.0) + (1.0 - beta) * q_term
@@ -123,7 +122,7 @@ def _mixture(
             ls2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * to_log2 - lse_s[:, None]
             lt2 = load_f32(teacher, tile_c, tile_v, row_mask, STREAM) * to_log2 - lse_t[:, None]
             q = exp2(ls2)
-            lm2 = log2(torch.clamp_min(beta * exp2(lt2) + (1.0 - beta) * q, _TINY))
+            lm2 = log2(torch.clamp_min(beta * exp2(lt2) + (1.0 - beta) * q, FLT_MIN))
             g = g_scale[:, None] * q * (ls2 - lm2 - cross2[:, None])
             student[tile_c, tile_v] = g.to(student.dtype)
 
@@ -138,7 +137,7 @@ MIXTURE = Kernel(_mixture, "jsd_loss_and_grad", default_config)
 
 
 @register_backend("jsd_loss_and_grad", backend="helion", priority=PRIORITY, capability=CAPABILITY)
-def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
                       grad_scale=None):
     """Per-row generalized JSD [C] fp32 (unscaled); student_logits are overwritten with grad_scale * dloss/dlogits."""
     loss, C, V = row_losses(student_logits)

@@ -16,7 +16,7 @@ from liger_dispatch import register_backend
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, load_f32, log2, needs_int64,
-    online_step, row_config, row_scale, valid_rows,
+    online_softmax_step, row_config, row_scale, valid_rows,
 )
 
 
@@ -37,7 +37,7 @@ def _kl_div(
             s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP)
             tq = load_f32(target, tile_c, tile_v, row_mask, KEEP)
             in_row = tile_v.index[None, :] < V
-            m, alpha, e = online_step(m, s2 * to_log2, in_row)
+            m, alpha, e = online_softmax_step(m, s2 * to_log2, in_row)
             d = d * alpha + e
             q = exp2(tq * LOG2E) if log_target else tq
             q_sum = q_sum + torch.where(in_row, q, 0.0)

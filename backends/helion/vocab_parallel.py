@@ -19,10 +19,9 @@ from liger_dispatch import register_backend
 
 from .._vp_rows import row_stats
 from ._support import (
-    CAPABILITY, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
-    needs_int64, online_step, row_config, row_scale, valid_rows,
+    CAPABILITY, FLT_MIN, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
+    needs_int64, online_softmax_step, row_config, row_scale, valid_rows,
 )
-from .jsd import _TINY
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
@@ -63,7 +62,7 @@ def _ce_stats(
             z = load_f32(logits, tile_c, tile_v, row_mask, KEEP)
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
-            m, alpha, e = online_step(m, z * LOG2E, tile_v.index[None, :] < V)
+            m, alpha, e = online_softmax_step(m, z * LOG2E, tile_v.index[None, :] < V)
             d = d * alpha + e
             z_sum = z_sum + z  # lanes past V loaded 0 (and tanh(0) = 0)
         lse = (m + log2(torch.sum(d, dim=1))) * LN2
@@ -138,8 +137,8 @@ def _jsd_stats(
             s2 = load_f32(student, tile_c, tile_v, row_mask, KEEP) * to_log2
             t2 = load_f32(teacher, tile_c, tile_v, row_mask, KEEP) * to_log2
             in_row = tile_v.index[None, :] < V
-            m_s, alpha_s, e_s = online_step(m_s, s2, in_row)
-            m_t, alpha_t, e_t = online_step(m_t, t2, in_row)
+            m_s, alpha_s, e_s = online_softmax_step(m_s, s2, in_row)
+            m_t, alpha_t, e_t = online_softmax_step(m_t, t2, in_row)
             d_s = d_s * alpha_s + e_s
             d_t = d_t * alpha_t + e_t
         stats[tile_c, 0] = torch.where(valid, (m_s + log2(torch.sum(d_s, dim=1))) * LN2, 0.0)
@@ -163,7 +162,7 @@ def _jsd_terms(ls2, lt2, beta, case):
     q = exp2(ls2)
     p = exp2(lt2)
     if case == MIXTURE:
-        lm2 = log2(torch.clamp_min(beta * p + (1.0 - beta) * q, _TINY))
+        lm2 = log2(torch.clamp_min(beta * p + (1.0 - beta) * q, FLT_MIN))
         diff = ls2 - lm2
         return beta * p * (lt2 - lm2) + (1.0 - beta) * q * diff, q, p, diff
     diff = ls2 - lt2
@@ -279,7 +278,7 @@ def _kl_div_stats(
             s = load_f32(student, tile_c, tile_v, row_mask, KEEP) * inv_temp
             tq = load_f32(target, tile_c, tile_v, row_mask, KEEP)
             in_row = tile_v.index[None, :] < V
-            m, alpha, e = online_step(m, s * LOG2E, in_row)
+            m, alpha, e = online_softmax_step(m, s * LOG2E, in_row)
             d = d * alpha + e
             if log_target:
                 q = torch.where(in_row, exp2(tq * LOG2E), 0.0)  # lanes past V loaded log q = 0
@@ -345,6 +344,7 @@ JSD_SUMS = Kernel(_jsd_sums, "jsd_vp_sums", two_input_config)
 JSD_GRAD = Kernel(_jsd_grad, "jsd_vp_grad", two_input_config)
 KL_DIV_STATS = Kernel(_kl_div_stats, "kl_div_vp_stats", two_input_config)
 KL_DIV_GRAD = Kernel(_kl_div_grad, "kl_div_vp_grad", two_input_config)
+KERNELS = (CE_STATS, CE_GRAD, JSD_STATS, JSD_SUMS, JSD_GRAD, KL_DIV_STATS, KL_DIV_GRAD)
 
 
 def _launch(like: torch.Tensor, *tensors: torch.Tensor) -> dict:

@@ -19,7 +19,7 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _valid_rows(labels, ignore_index, n_rows, device):
+def valid_rows(labels, ignore_index, n_rows, device):
     if labels is None:
         return torch.ones(n_rows, dtype=torch.bool, device=device)
     return labels != ignore_index
@@ -50,20 +50,33 @@ def jsd_rows(student_logits, teacher_logits, labels, *, beta, ignore_index=-100,
     log_q = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     log_p = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
     if beta == 0.0:
-        loss = _kl(log_p, log_q)
+        loss = kl_sum(log_p, log_q)
     elif beta == 1.0:
-        loss = _kl(log_q, log_p)
+        loss = kl_sum(log_q, log_p)
     else:
-        # log m = log(beta p + (1-beta) q) without leaving log space
-        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-        loss = beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m)
-    valid = _valid_rows(labels, ignore_index, loss.shape[0], loss.device)
+        log_m = log_mixture(log_p, log_q, beta)
+        loss = beta * kl_sum(log_p, log_m) + (1.0 - beta) * kl_sum(log_q, log_m)
+    valid = valid_rows(labels, ignore_index, loss.shape[0], loss.device)
     return torch.where(valid, loss, 0.0)
 
 
-def _kl(log_a, log_b):
-    """KL(a||b) per row from finite log-probabilities."""
+def kl_sum(log_a, log_b):
+    """KL(a||b) per row from finite log-probabilities (of a slice of the vocabulary: its part of the sum)."""
     return (log_a.exp() * (log_a - log_b)).sum(dim=-1)
+
+
+def log_mixture(log_p, log_q, beta):
+    """log m = log(beta p + (1-beta) q) without leaving log space, 0 < beta < 1."""
+    return torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+
+
+def target_terms(target, *, eps, log_target):
+    """(q, q log q) elementwise from KL target probabilities, or log-probabilities with log_target; 0 log 0 = 0."""
+    if log_target:
+        q, log_q = target.exp(), target
+    else:
+        q, log_q = target, torch.log(target.clamp_min(eps))
+    return q, torch.where(q > 0, q * log_q, 0.0)  # also keeps eps=0 and log_target=-inf finite
 
 
 def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False):
@@ -74,14 +87,9 @@ def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperatur
     """
     dtype = compute_dtype(student_logits, target)
     log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
-    target = target.detach().to(dtype)
-    if log_target:
-        q, log_q = target.exp(), target
-    else:
-        q, log_q = target, torch.log(target.clamp_min(eps))
-    q_log_q = torch.where(q > 0, q * log_q, 0.0)  # also keeps eps=0 and log_target=-inf finite
+    q, q_log_q = target_terms(target.detach().to(dtype), eps=eps, log_target=log_target)
     loss = (q_log_q - q * log_s).sum(dim=-1)
-    valid = _valid_rows(labels, ignore_index, loss.shape[0], loss.device)
+    valid = valid_rows(labels, ignore_index, loss.shape[0], loss.device)
     return torch.where(valid, loss, 0.0)
 
 
@@ -119,7 +127,7 @@ def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weigh
     labels = None if shift_labels is None else shift_labels.reshape(-1)
     rows = jsd_rows(student_logits, teacher_logits, labels, beta=jsd_beta, ignore_index=ignore_index,
                     temperature=temperature)
-    loss = _mean_over_valid(rows.sum(), _valid_rows(labels, ignore_index, rows.shape[0], rows.device))
+    loss = _mean_over_valid(rows.sum(), valid_rows(labels, ignore_index, rows.shape[0], rows.device))
     return loss * temperature**2 if scale_by_temperature_squared else loss
 
 
@@ -130,7 +138,7 @@ def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None
     labels = None if shift_labels is None else shift_labels.reshape(-1)
     rows = kl_div_rows(student_logits, target.reshape(-1, vocab), labels, ignore_index=ignore_index,
                        temperature=temperature, eps=eps, log_target=log_target)
-    valid = _valid_rows(labels, ignore_index, rows.shape[0], rows.device)
+    valid = valid_rows(labels, ignore_index, rows.shape[0], rows.device)
     if reduction == "batchmean":
         return _mean_over_valid(rows.sum(), valid)
     if reduction == "mean":

@@ -7,7 +7,7 @@ from ._support import CAPABILITY, PRIORITY, rows_and_grad_in_place
 
 
 @register_backend("jsd_loss_and_grad", backend="reference", priority=PRIORITY, capability=CAPABILITY)
-def jsd_loss_and_grad(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0,
+def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
                       grad_scale=None):
     return rows_and_grad_in_place(
         student_logits,

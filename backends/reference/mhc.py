@@ -4,7 +4,7 @@ import torch
 
 from liger_dispatch import register_backend
 
-from ._support import CAPABILITY, PRIORITY
+from ._support import CAPABILITY, PRIORITY, autograd_on
 from .formulas import compute_dtype, mhc_coeffs_from_mix, mhc_mix
 
 
@@ -31,7 +31,7 @@ def mhc_coeff_bwd(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h
     x_, phi_ = (t.detach().to(dtype, copy=True).requires_grad_() for t in (x, phi))
     params = [t.detach().clone().requires_grad_() for t in originals[2:]]
     inputs = [x_, phi_, *params]
-    with torch.enable_grad():
+    with autograd_on():
         recomputed_mix, _ = mhc_mix(x_, phi_, rms_eps=rms_eps)
         coeffs = mhc_coeffs_from_mix(recomputed_mix, *params, hc=hc, tmax=tmax, pre_eps=pre_eps,
                                      sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)

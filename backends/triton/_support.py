@@ -1,20 +1,22 @@
 """What the Triton kernels of this backend share: capability, launch arguments, in-kernel math helpers."""
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from liger_dispatch import Capability
+from liger_dispatch import Capability, settings
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32: the GPU's fast log2 flushes anything below to 0
 
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INTERPRETING = tl.constexpr(settings.TRITON_INTERPRET.get())
 PRIORITY = 20
 # Under the interpreter the kernels run on CPU tensors, so the backend accepts them there.
 CAPABILITY = Capability(
@@ -28,7 +30,8 @@ CAPABILITY = Capability(
 # (2-4 16-byte loads a thread at ELEMS_PER_THREAD values), at most MAX_WARPS warps a program, and NUM_STAGES-deep
 # software pipelining of the block loads (cp.async into shared memory) so the next blocks are in flight while
 # one is reduced; with NUM_STAGES = 1 the loads are plain and carry L2 hints (evict_last on all but the last
-# pass, so the next pass finds the row in L2). Explicit values win (tests force tiny blocks; benchmarks sweep).
+# pass, so the next pass finds the row in L2). A RowLaunch knob that is set wins (each op module's LAUNCH, see
+# backends/_launch.py: tests force tiny blocks, benchmarks sweep).
 # The vocabulary V is a constexpr: one compile per vocabulary, a known trip count, and the interpreter (with
 # numpy >= 2.4) cannot take a runtime loop bound.
 BLOCK_BYTES = 16384
@@ -37,12 +40,21 @@ MAX_WARPS = 16
 NUM_STAGES = 3
 
 
-def row_launch(n_cols, *tensors, block_size=None, num_warps=None, num_stages=None):
+@dataclass(frozen=True)
+class RowLaunch:
+    """Launch knobs of a row kernel; None: derived by row_launch from the row length and the dtypes."""
+
+    block_size: Optional[int] = None  # columns a block, a power of two
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+def row_launch(n_cols, *tensors, knobs=RowLaunch()):
     """Launch keywords (BLOCK, NUM_STAGES, num_warps) for a kernel streaming rows of n_cols of these tensors."""
     widest = max(t.element_size() for t in tensors)
-    block = block_size or min(BLOCK_BYTES // widest, triton.next_power_of_2(n_cols))
-    warps = num_warps or max(1, min(MAX_WARPS, block // (32 * ELEMS_PER_THREAD)))
-    return dict(BLOCK=block, NUM_STAGES=num_stages or NUM_STAGES, num_warps=warps)
+    block = knobs.block_size or min(BLOCK_BYTES // widest, triton.next_power_of_2(n_cols))
+    warps = knobs.num_warps or max(1, min(MAX_WARPS, block // (32 * ELEMS_PER_THREAD)))
+    return dict(BLOCK=block, NUM_STAGES=knobs.num_stages or NUM_STAGES, num_warps=warps)
 
 
 def scale_args(grad_scale, dummy):
@@ -64,6 +76,17 @@ def load_block(ROW, start, cols, n_cols: tl.constexpr, POLICY: tl.constexpr):
     offs = start + cols
     mask = offs < n_cols
     return tl.load(ROW + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32), mask
+
+
+@triton.jit
+def block_start(i, n_cols: tl.constexpr, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+    """First column of the i-th block a pass visits. A pass that re-reads a row walks it in the other direction
+    from the pass before (BACKWARD every other pass), so it starts on the blocks read last, the ones most likely
+    still in L2: a row re-read in the same direction evicts each block just before it is needed again (LRU)."""
+    if BACKWARD:
+        return ((n_cols + BLOCK - 1) // BLOCK - 1 - i) * BLOCK
+    else:
+        return i * BLOCK
 
 
 @triton.jit
@@ -108,12 +131,12 @@ def load_scale(SCALE, scale_stride, row, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def label_ignored(LABELS, label_stride, row, ignore_index, HAS_LABELS: tl.constexpr):
-    """Whether the row's label is ignore_index; never without labels."""
+def valid_row(LABELS, label_stride, row, ignore_index, HAS_LABELS: tl.constexpr):
+    """Whether the row counts: its label is not ignore_index; always without labels."""
     if HAS_LABELS:
-        return tl.load(LABELS + row * label_stride) == ignore_index
+        return tl.load(LABELS + row * label_stride) != ignore_index
     else:
-        return False
+        return True
 
 
 @triton.jit
@@ -125,10 +148,16 @@ def load_pair(S, T, start, cols, n_cols: tl.constexpr, to_log2, POLICY: tl.const
 
 
 @triton.jit
-def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
-    """An ignored row: gradient 0 over the whole row, loss 0."""
+def zero_cols(X, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    """An ignored row's gradient: 0 over the whole row X."""
     cols = tl.arange(0, BLOCK)
     zeros = tl.zeros([BLOCK], X.dtype.element_ty)
     for start in range(0, n_cols, BLOCK):
         tl.store(X + start + cols, zeros, mask=start + cols < n_cols)
+
+
+@triton.jit
+def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    """An ignored row: gradient 0 over the whole row, loss 0."""
+    zero_cols(X, n_cols, BLOCK)
     tl.store(LOSS + row, 0.0)

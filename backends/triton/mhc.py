@@ -18,7 +18,7 @@ are launched directly after the first call (_Launch), which keeps the Python cos
 """
 
 import dataclasses
-import functools
+from typing import Optional
 
 import torch
 import triton
@@ -28,6 +28,8 @@ from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
+from .._host import BoundedCache, Scratch, contiguous, sm_count, unit_column_stride
+from .._launch import LaunchKnobs, given
 from .._mhc import backward_results, cdiv, columns, forward_outputs
 from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
 
@@ -372,19 +374,11 @@ def _bwd_reduce_kernel(
 # ----------------------------------------------------------------------------------------------
 
 _FAST_LAUNCH = not INTERPRETING.value
-_PLAN_LIMIT = 1024  # signatures kept; past that the cache starts over (a run whose M never repeats)
 _F32 = torch.float32
 
 
 def _pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: small enough that tiny test shapes still exercise the splits
 
 
 def _hooked(hook) -> bool:
@@ -409,12 +403,15 @@ def _direct_target(*tensors):
 
 
 class _Launch:
-    """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors.
+    """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors (or, once
+    compiled for the device, their addresses).
 
     Triton's launch binds and specializes every argument and looks the compiled kernel up: ~15 us of Python.
     The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
-    straight to that kernel's launcher. Sound because the owning plan fixes every scalar and dtype, and a
-    direct target means every pointer is aligned: all that Triton specializes on."""
+    straight to that kernel's launcher, the tensors as their addresses (given a tensor, the launcher asks the
+    driver about each pointer, cuPointerGetAttribute; given an int, it takes it). Sound because the owning plan
+    fixes every scalar and dtype, and a direct target means every pointer is aligned: all that Triton specializes
+    on (that every tensor is on the device is the op's check, same_device)."""
 
     __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
 
@@ -433,24 +430,20 @@ class _Launch:
             compiled = self.compiled.get(target[0])
             if compiled is not None:
                 run, function, metadata = compiled
-                run(*self.grid, target[1], function, metadata, None, None, None, *tensors, *self.tail)
+                run(*self.grid, target[1], function, metadata, None, None, None,
+                    *[t if type(t) is int else t.data_ptr() for t in tensors], *self.tail)
                 return
         kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
         if target is not None and kernel is not None:
             self.compiled[target[0]] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
-_plans: dict[tuple, object] = {}
+_plans = BoundedCache("triton mhc plans", 1024)  # one per call signature
 
 
 def _plan(make, key, *args):
     """make(*args), made once per (make, key)."""
-    plan = _plans.get((make, key))
-    if plan is None:
-        if len(_plans) >= _PLAN_LIMIT:
-            _plans.clear()
-        plan = _plans[make, key] = make(*args)
-    return plan
+    return _plans.get((make, key), lambda: make(*args))
 
 
 def _dot_setup(x_dtype: torch.dtype, phi_dtype: torch.dtype):
@@ -502,33 +495,50 @@ def _fwd_tiles(hc: int):
 
 def _operands(x, phi, b):
     """x with unit column stride (its row stride may be anything), phi and b contiguous."""
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if not phi.is_contiguous():
-        phi = phi.contiguous()
-    if not b.is_contiguous():
-        b = b.contiguous()
-    return x, phi, b
+    return unit_column_stride(x), *contiguous(phi, b)
 
 
 def _signature(x, phi, hc, tmax, scalars):
-    """The arguments of a plan, config aside."""
+    """The arguments of a plan, launch knobs aside."""
     return (*x.shape, x.stride(0), hc, tmax, x.dtype, phi.dtype, x.device, scalars)
 
 
-def _config_key(config):
-    return tuple(sorted(config.items())) if config else None
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    """Launch knobs of the forward (fwd_config's keys); None: fwd_config's choice."""
+
+    BM: Optional[int] = None
+    BK: Optional[int] = None
+    split: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLaunch:
+    """Launch knobs of the backward (bwd_config's keys); None: bwd_config's choice."""
+
+    BM: Optional[int] = None
+    BK: Optional[int] = None
+    groups: Optional[int] = None
+    BR: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+FWD_LAUNCH = LaunchKnobs("triton mhc_coeff_fwd", ForwardLaunch())
+BWD_LAUNCH = LaunchKnobs("triton mhc_coeff_bwd", BackwardLaunch())
 
 
 class _FwdPlan:
     __slots__ = ("ws_shape", "main", "epilogue")
 
-    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config):
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, knobs):
         self.ws_shape = self.main = self.epilogue = None
         if M == 0:
             return
         _, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
-        cfg = fwd_config(M, K, _num_sms(device), cast_f32) | dict(config or ())
+        cfg = fwd_config(M, K, sm_count(device), cast_f32) | given(knobs)
         bm, bk = cfg["BM"], cfg["BK"]
         k_iters = cdiv(cdiv(K, bk), cfg["split"])
         split = cdiv(cdiv(K, bk), k_iters)
@@ -546,14 +556,15 @@ class _FwdPlan:
 @register_backend("mhc_coeff_fwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_fwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, *,
-    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
+    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0,
 ):
     x, phi, b = _operands(x, phi, b)
     scalars = (float(rms_eps), float(pre_eps), float(sinkhorn_eps), float(post_mult))
     signature = _signature(x, phi, hc, tmax, scalars)
     # the other tensors' dtypes too: the kept compiled kernels are specialized on them
     dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype)
-    plan = _plan(_FwdPlan, (*signature, dtypes, _config_key(config)), *signature, config)
+    knobs = FWD_LAUNCH.forced
+    plan = _plan(_FwdPlan, (*signature, dtypes, knobs), *signature, knobs)
     dev = x.device
     pre, post, res, mix, rstd = forward_outputs(x.shape[0], hc, dev)
     if plan.main is None:
@@ -570,24 +581,26 @@ def mhc_coeff_fwd(
 
 
 class _BwdPlan:
-    __slots__ = ("n", "dot_dtype", "part_shape", "hist_shape", "phi_ws_shape", "coeff", "mm", "reduce")
+    __slots__ = ("n", "dot_dtype", "scratch", "coeff", "mm", "reduce")
 
-    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, config, grads):
+    def __init__(self, M, K, stride_xm, hc, tmax, x_dtype, phi_dtype, device, scalars, knobs, grads):
         """grads: (dtype, strides) of each upstream gradient, None where it is absent."""
         n = self.n = columns(hc)
         dot_dtype, cast_f32, prec = _dot_setup(x_dtype, phi_dtype)
         self.dot_dtype = dot_dtype
         if M == 0:
             return
-        cfg = bwd_config(M, K, hc, _num_sms(device), cast_f32) | dict(config or ())
+        cfg = bwd_config(M, K, hc, sm_count(device), cast_f32) | given(knobs)
 
         # 1. coefficient producer
         br = cfg["BR"]
         n_blocks = cdiv(M, br)
         has_pre, has_post, has_res = (g is not None for g in grads)
         strides = [s for g, ndim in zip(grads, (2, 2, 3)) for s in (g[1] if g else (0,) * ndim)]
-        self.part_shape = (n_blocks, n + 3)
-        self.hist_shape = (M, tmax - 1, hc, hc) if has_res and tmax > 1 else None
+        # gz, coef, the producer's per-block partials, its Sinkhorn iterates, the MM's per-group grad_phi partials
+        scratch = {"gz": (dot_dtype, (M, n)), "coef": (_F32, (M,)), "part": (_F32, (n_blocks, n + 3))}
+        if has_res and tmax > 1:
+            scratch["hist"] = (_F32, (M, tmax - 1, hc, hc))
         self.coeff = _Launch(_bwd_coeff_kernel, (n_blocks,), (*strides, M, K, *scalars), HC=hc, TMAX=tmax, BR=br,
                              HAS_PRE=has_pre, HAS_POST=has_post, HAS_RES=has_res, num_warps=4)
 
@@ -596,7 +609,9 @@ class _BwdPlan:
         m_blocks = cdiv(M, bm)
         m_iters = _pow2(cdiv(m_blocks, cfg["groups"]))
         groups = cdiv(m_blocks, m_iters)
-        self.phi_ws_shape = (groups, K, n) if groups > 1 else None
+        if groups > 1:
+            scratch["phi_ws"] = (_F32, (groups, K, n))
+        self.scratch = Scratch(scratch)
         self.mm = _Launch(_bwd_mm_kernel, (groups, cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
                           NP=max(16, _pow2(n)), BM=bm, BK=bk, M_ITERS=m_iters, GROUPED=groups > 1,
                           CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -608,6 +623,10 @@ class _BwdPlan:
                               HC=hc, NP=_pow2(n), BK=rbk, G_ITERS=_pow2(groups), BB=rbb,
                               B_ITERS=_pow2(cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
 
+    def compiled_on(self, target) -> bool:
+        """Every launch has its compiled kernel for the target's device: they can all take addresses."""
+        return target is not None and all(target[0] in launch.compiled for launch in (self.coeff, self.mm, self.reduce))
+
 
 def _grad_key(g):
     return None if g is None else (g.dtype, g.stride())
@@ -616,30 +635,26 @@ def _grad_key(g):
 @register_backend("mhc_coeff_bwd", backend="triton", priority=PRIORITY, capability=MHC_CAPABILITY)
 def mhc_coeff_bwd(
     x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post, grad_h_res, *,
-    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0, config=None,
+    hc, tmax=20, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0,
 ):
     x, phi, b = _operands(x, phi, b)
-    if not mix.is_contiguous():
-        mix = mix.contiguous()
-    if not rstd.is_contiguous():
-        rstd = rstd.contiguous()
+    mix, rstd = contiguous(mix, rstd)
     scalars = (float(sinkhorn_eps), float(post_mult))
     signature = _signature(x, phi, hc, tmax, scalars)
     grads = (_grad_key(grad_h_pre), _grad_key(grad_h_post), _grad_key(grad_h_res))
     dtypes = (b.dtype, alpha_pre.dtype, alpha_post.dtype, alpha_res.dtype, mix.dtype, rstd.dtype)
-    plan = _plan(_BwdPlan, (*signature, grads, dtypes, _config_key(config)), *signature, config, grads)
+    knobs = BWD_LAUNCH.forced
+    plan = _plan(_BwdPlan, (*signature, grads, dtypes, knobs), *signature, knobs, grads)
     M, K = x.shape
-    n, dev = plan.n, x.device
-    grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, n)
+    grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, plan.n)
     if M == 0:
         return results
     target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post,
                             grad_h_res)
-    gz = torch.empty(M, n, device=dev, dtype=plan.dot_dtype)
-    coef = torch.empty(M, device=dev, dtype=_F32)
-    part = torch.empty(*plan.part_shape, device=dev, dtype=_F32)
-    hist = mix if plan.hist_shape is None else torch.empty(*plan.hist_shape, device=dev, dtype=_F32)
-    phi_ws = grad_phi if plan.phi_ws_shape is None else torch.empty(*plan.phi_ws_shape, device=dev, dtype=_F32)
+    # one allocation for the scratch buffers, held (memory) until the launches are enqueued
+    memory, scratch = plan.scratch.allocate(x.device, addresses=plan.compiled_on(target))
+    gz, coef, part = scratch["gz"], scratch["coef"], scratch["part"]
+    hist, phi_ws = scratch.get("hist", mix), scratch.get("phi_ws", grad_phi)
     plan.coeff(target, mix, rstd, b, alpha_pre, alpha_post, alpha_res,
                mix if grad_h_pre is None else grad_h_pre, mix if grad_h_post is None else grad_h_post,
                mix if grad_h_res is None else grad_h_res, gz, coef, part, hist)

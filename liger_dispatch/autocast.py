@@ -1,0 +1,50 @@
+"""torch.autocast for the fused-linear ops: they replace an `F.linear`, so they cast as autocast casts a linear layer.
+
+Under autocast the op's linear operands (OpSpec.autocast) are cast to the autocast dtype before the checks, as
+autocast would cast them for F.linear (an fp32 master weight with a bf16 activation is the usual case); autograd
+brings each gradient back in its parameter's own dtype. The implementations then run with autocast off: their
+math is written for the dtypes they are given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from liger_dispatch.schema import Args
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _device_type(spec, a: Args) -> str:
+    return getattr(a, spec.autocast[0]).device.type
+
+
+def enabled() -> bool:
+    """Autocast is on for some device type (one call into C, on every op call)."""
+    return torch._C._is_any_autocast_enabled()
+
+
+def active(spec, a: Args) -> bool:
+    return enabled() and torch.is_autocast_enabled(_device_type(spec, a))
+
+
+def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
+    """The call with its linear operands in the autocast dtype: (bound arguments, positional, keyword)."""
+    dtype = torch.get_autocast_dtype(_device_type(spec, a))
+    values = vars(a).copy()
+    for name in spec.autocast:
+        value = values[name]
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            values[name] = value.to(dtype)
+    cast_args = Args(values)
+    return (cast_args, *spec.schema.call_args(cast_args))
+
+
+def disabled(a: Args):
+    """A context that turns autocast off for the implementation, when it is on."""
+    if not enabled():
+        return _NOTHING
+    device_type = next(v.device.type for v in vars(a).values() if isinstance(v, torch.Tensor))
+    return torch.autocast(device_type, enabled=False)

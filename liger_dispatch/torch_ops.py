@@ -1,0 +1,332 @@
+"""Every op as a PyTorch op, `torch.ops.liger_dispatch.<op>`, and the eager path into the same implementations.
+
+Two ways in, one set of implementations:
+- eager (`run`, what a dispatch handle does outside torch.compile): select, then call the implementation, under a
+  light autograd.Function for the user-level ops. Going through the torch.library dispatcher costs ~20 us more host
+  time per call than an autograd.Function, more than a loss op's whole host budget.
+- traced (`call`, what a handle does while torch.compile traces it): torch.ops.liger_dispatch.<op>, an opaque op
+  with a fake implementation and registered autograd. Its implementation selects when it runs, so `use_backend`,
+  LIGER_BACKEND and a handle's `backend=` (passed as the op's `backend` argument) hold in compiled code too.
+
+The torch.library schema of an op is its own schema plus, keyword-only, its implementations' extra parameters and
+`str? backend=None`. A fused-linear loss computes its gradients in the forward pass, so its op returns them after
+the loss (empty tensors for the ones not asked for by `need_grads`); mhc_coeffs returns mix and rstd after the
+three coefficients, for its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
+from liger_dispatch import grad_scale, selection, vocab_parallel
+from liger_dispatch.schema import Args
+from liger_dispatch.table import TABLE, OpSpec
+
+NAMESPACE = "liger_dispatch"
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _grads_in_forward(spec: OpSpec) -> bool:
+    return "need_grads" in spec.extra.names
+
+
+def _row_losses(a: Args) -> bool:
+    """A loss returned per row (flce reduction="none"): its backward recomputes with the rows' weights."""
+    return getattr(a, "reduction", None) == "none"
+
+
+def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
+    if not torch.is_grad_enabled():
+        return ()
+    values = a.__dict__
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in map(values.__getitem__, spec.differentiable))
+
+
+# -- eager ----------------------------------------------------------------------------------------------------------
+class _GradsInForward(torch.autograd.Function):
+    """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        loss, *grads = run()
+        ctx.save_for_backward(*grads)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return None, *grad_scale.scaled(ctx, grad_loss)
+
+
+class _RowLosses(torch.autograd.Function):
+    """Per-row losses; the backward recomputes the gradient of sum_i grad_i * loss_i."""
+
+    @staticmethod
+    def forward(ctx, run, backward, *tensors):
+        ctx.run_backward = backward
+        return run()
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        return None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[2:])
+
+
+class _WithBackward(torch.autograd.Function):
+    """An op whose implementation has a backward of its own (mhc_coeffs): outputs, then (mix, rstd) saved."""
+
+    @staticmethod
+    def forward(ctx, fn, options, *tensors):
+        *outputs, mix, rstd = fn(*tensors, **options)
+        ctx.save_for_backward(*tensors, mix, rstd)
+        ctx.fn, ctx.options = fn, options
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
+
+
+def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
+    """The eager path: select, check values, run (with autograd for user-level ops)."""
+    impl = selection.select(spec.name, pinned, args, kwargs)
+    if spec.value_check is not None:
+        spec.value_check(a)
+    fn = impl.fn
+    if spec.level == "kernel":
+        return fn(*args, **kwargs)
+    fn = vocab_parallel.serving(impl, a)
+    need = _needs(spec, a)
+    if not _grads_in_forward(spec):
+        positional, options = spec.schema.call_args(a)
+        if not any(need):
+            return fn(*positional, **options)[:3]
+        return _WithBackward.apply(fn, options, *positional)
+    if not any(need):
+        return fn(*args, **kwargs)[0]
+    tensors = [getattr(a, n) for n in spec.differentiable]
+    if _row_losses(a):
+        def backward(grad_rows, needs):
+            summed = {**kwargs, "reduction": "sum"}
+            return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
+
+        return _RowLosses.apply(lambda: fn(*args, **kwargs)[0], backward, *tensors)
+    return _GradsInForward.apply(lambda: fn(*args, **kwargs, need_grads=need), *tensors)
+
+
+# -- torch.library ----------------------------------------------------------------------------------------------------
+def _split(schema_text: str) -> tuple[list[str], list[str], str]:
+    """A schema's (positional parameters, keyword-only parameters, returns), as text."""
+    head, _, returns = schema_text.rpartition("->")
+    params = [p.strip() for p in head.strip()[head.index("(") + 1:-1].split(",") if p.strip()]
+    star = params.index("*") if "*" in params else len(params)
+    return params[:star], params[star + 1:], returns.strip()
+
+
+def _op_schema(name: str, positional: list[str], keyword: list[str], returns: str) -> str:
+    params = [*positional, *(["*", *keyword] if keyword else [])]
+    return f"{name}({', '.join(params)}) -> {returns}"
+
+
+def _extras(spec: OpSpec) -> tuple[list[str], list[str]]:
+    """The implementations' extra parameters as (tensor ones, the others): torch.library's autograd takes tensor
+    arguments only before the `*`."""
+    extra = [p.strip() for p in spec.impl_extra.split(",") if p.strip()]
+    return [p for p in extra if p.startswith("Tensor")], [p for p in extra if not p.startswith("Tensor")]
+
+
+def _torch_schema(spec: OpSpec, returns: Optional[str] = None) -> str:
+    positional, keyword, own_returns = _split(spec.schema_text)
+    tensors, others = _extras(spec)
+    return _op_schema(spec.name, [*positional, *tensors], [*keyword, *others, "str? backend=None"],
+                      returns or own_returns)
+
+
+def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...], dict]:
+    """A torch op's arguments as (the op's own bound arguments, the pinned backends, the extra keyword values)."""
+    kwargs = dict(kwargs)
+    pinned = selection.parse_backends(kwargs.pop("backend", None))
+    own = len(spec.schema.positional)
+    extra = dict(zip((p.name for p in spec.extra.params if p.is_tensor), args[own:]))  # positional: the tensors
+    extra.update((name, kwargs.pop(name)) for name in spec.extra.names if name in kwargs)
+    return spec.schema.bind(args[:own], kwargs), pinned, extra
+
+
+def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
+    """The outputs, each one that shares memory with an input or an earlier output cloned (a torch op's outputs
+    may alias neither)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    result = []
+    for out in outputs:
+        if isinstance(out, torch.Tensor) and out.numel():
+            if out.untyped_storage().data_ptr() in seen:
+                out = out.clone()
+            seen.add(out.untyped_storage().data_ptr())
+        result.append(out)
+    return tuple(result)
+
+
+def _define_kernel(spec: OpSpec) -> None:
+    def impl(*args, **kwargs):
+        a, pinned, _ = _bind(spec, args, kwargs)
+        positional, options = spec.schema.call_args(a)
+        out = run(spec, pinned, a, positional, options)
+        return _unaliased(out, positional) if isinstance(out, tuple) else out
+
+    def fake(*args, **kwargs):
+        return spec.fake(_bind(spec, args, kwargs)[0])
+
+    _LIB.define(_torch_schema(spec))
+    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
+
+
+def _define_loss(spec: OpSpec) -> None:
+    """A fused-linear loss: (loss, one gradient per differentiable input, or an empty tensor when not needed)."""
+    count = len(spec.differentiable)
+
+    def outputs(a, need, loss, grads):
+        return loss, *(g if g is not None and w else getattr(a, n).new_empty(0) if getattr(a, n) is not None
+                       else loss.new_empty(0) for g, w, n in zip(grads, _padded(need, count), spec.differentiable))
+
+    def impl(*args, **kwargs):
+        a, pinned, extra = _bind(spec, args, kwargs)
+        positional, options = spec.schema.call_args(a)
+        fn = vocab_parallel.serving(selection.select(spec.name, pinned, positional, options), a)
+        if spec.value_check is not None:
+            spec.value_check(a)
+        loss, *grads = fn(*positional, **options, **extra)
+        return outputs(a, extra.get("need_grads", ()), loss, grads)
+
+    def fake(*args, **kwargs):
+        a, _, extra = _bind(spec, args, kwargs)
+        need = _padded(extra.get("need_grads", ()), count)
+        grads = [torch.empty_like(getattr(a, n)) if w else None for w, n in zip(need, spec.differentiable)]
+        return outputs(a, need, spec.fake(a), grads)
+
+    where = [spec.schema.positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        ctx.rows = keyword_only_inputs.get("reduction") == "none" and "row_weights" in spec.extra.names
+        ctx.positional = len(inputs)
+        if ctx.rows:
+            ctx.inputs, ctx.keywords = inputs, keyword_only_inputs
+        else:
+            ctx.save_for_backward(*output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    def backward(ctx, grad_loss, *_):
+        need = [ctx.needs_input_grad[i] for i in where]
+        if ctx.rows:
+            keywords = {**ctx.keywords, "reduction": "sum", "need_grads": need}
+            own = ctx.inputs[: len(spec.schema.positional)]
+            grads = getattr(torch.ops.liger_dispatch, spec.name)(*own, grad_loss, **keywords)[1:]
+        else:
+            # out of place: a traced backward may not change what the forward saved
+            grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
+        result = [None] * ctx.positional
+        for i, g, w in zip(where, grads, need):
+            result[i] = g if w else None
+        return tuple(result)
+
+    returns = "(" + ", ".join(["Tensor"] * (count + 1)) + ")"
+    _LIB.define(_torch_schema(spec, returns))
+    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
+    torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
+
+
+def _padded(need, count: int) -> list[bool]:
+    return [bool(w) for w in need] + [False] * (count - len(need))
+
+
+def _define_with_backward(spec: OpSpec) -> None:
+    """mhc_coeffs: (the op's outputs, then mix and rstd); its backward is a second op, `<name>_backward`."""
+    backward_name = f"{spec.name}_backward"
+    positional = spec.schema.positional
+
+    def impl(*args, **kwargs):
+        a, pinned, _ = _bind(spec, args, kwargs)
+        positional_args, options = spec.schema.call_args(a)
+        fn = selection.select(spec.name, pinned, positional_args, options).fn
+        return _unaliased(fn(*positional_args, **options), positional_args)
+
+    def fake(*args, **kwargs):
+        return spec.fake(_bind(spec, args, kwargs)[0])
+
+    own_positional, keyword, _ = _split(spec.schema_text)
+    _LIB.define(_torch_schema(spec, "(Tensor, Tensor, Tensor, Tensor, Tensor)"))
+    grads = ["Tensor mix", "Tensor rstd", "Tensor? grad_h_pre", "Tensor? grad_h_post", "Tensor? grad_h_res"]
+    _LIB.define(_op_schema(backward_name, [*own_positional, *grads], [*keyword, "str? backend=None"],
+                           "(Tensor, Tensor, Tensor)"))
+
+    keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
+
+    def backward_impl(*args, backend=None, **options):
+        options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
+        tensors = args[: len(positional)]
+        fn = selection.select(spec.name, selection.parse_backends(backend), tensors, options).fn
+        grad_x, grad_phi, *small = fn.backward(*args, **options)
+        return grad_x, grad_phi, torch.cat([g.reshape(-1).to(torch.float32) for g in small])
+
+    def backward_fake(*args, backend=None, **options):
+        x, phi = args[0], args[1]
+        return torch.empty_like(x), torch.empty_like(phi), x.new_empty(phi.shape[1] + 3, dtype=torch.float32)
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        ctx.save_for_backward(*inputs, output[3], output[4])
+        ctx.keywords = keyword_only_inputs
+        ctx.mark_non_differentiable(output[3], output[4])
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, grad_pre, grad_post, grad_res, *_):
+        tensors = ctx.saved_tensors
+        grad_x, grad_phi, small = getattr(torch.ops.liger_dispatch, backward_name)(
+            *tensors, grad_pre, grad_post, grad_res, **ctx.keywords)
+        n = tensors[1].shape[1]
+        b, alphas = tensors[2], tensors[3:6]
+        return (grad_x, grad_phi, small[:n].to(b.dtype),
+                *(small[n + i].reshape(alpha.shape).to(alpha.dtype) for i, alpha in enumerate(alphas)))
+
+    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
+    _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
+    torch.library.register_fake(f"{NAMESPACE}::{backward_name}", backward_fake, lib=_LIB)
+    torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
+
+
+_defined: set[str] = set()
+
+
+def define(spec: OpSpec) -> None:
+    """Define torch.ops.liger_dispatch.<op> for a declared op (once)."""
+    if spec.name in _defined:
+        return
+    _defined.add(spec.name)
+    if spec.level == "kernel":
+        _define_kernel(spec)
+    elif _grads_in_forward(spec):
+        _define_loss(spec)
+    else:
+        _define_with_backward(spec)
+
+
+def call(spec: OpSpec, backend: Optional[str], a: Args):
+    """The traced path: torch.ops.liger_dispatch.<op> with the call's arguments; the op's own outputs."""
+    define(spec)
+    positional, options = spec.schema.call_args(a)
+    op = getattr(torch.ops.liger_dispatch, spec.name)
+    if spec.level == "kernel":
+        return op(*positional, **options, backend=backend)
+    if _grads_in_forward(spec):
+        need = [] if _row_losses(a) else list(_needs(spec, a))
+        if options.get("process_group") is not None:  # the op takes a group by its name
+            options["process_group"] = vocab_parallel.group_name(options["process_group"])
+        return op(*positional, **options, need_grads=need, backend=backend)[0]
+    return op(*positional, **options, backend=backend)[:3]
+
+
+for _spec in (TABLE.spec(name) for name in TABLE.op_names()):
+    define(_spec)

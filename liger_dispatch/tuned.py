@@ -1,0 +1,300 @@
+"""Measured auto-selection: per-device tables of the fastest backend for each (op, dtype, shape bucket).
+
+`python -m liger_dispatch tune` (liger_dispatch/tune.py) times every backend that can serve each point on
+the current GPU and writes a table. A table is keyed by the GPU's name, its compute capability and the
+versions of torch, triton, helion and nvidia-cutlass-dsl: a table whose key differs from this process's
+(another GPU, other library versions) is ignored, never applied. The committed tables live in
+liger_dispatch/tuned_tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
+os.pathsep), whose entries win over the committed ones.
+
+Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
+the backends the entry measured go first, fastest first, then the others in priority order, the reference
+last. A backend whose shape predicate turns a call down still yields to the next one.
+
+Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and per op
+the sizes and options that change which kernel wins:
+    flce                 v = V rounded up to a power of two; softcap, smoothing, z-loss when set
+    fused_linear_jsd     v; beta = 0 | 1 | mixture (2-pass and 3-pass kernels rank differently)
+    fused_linear_kl_div  v; the target's dtype; log_target when set
+    mhc_coeffs           hc = HC; c = C rounded up to a power of two
+A call whose N bucket has no entry takes the entry of the adjacent power of two (same op, dtype and other
+fields), the larger one on a tie; further than that, static priority decides. Kernel-level ops have no
+buckets: they keep static priority.
+
+Per-call cost: the selector's memo is keyed on (op, preferences, device, dtypes) plus `lookup_key`, which is
+None unless a table for this device has entries for the op; then it is the bucket tuple (~1 us to build).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from liger_dispatch import settings
+from liger_dispatch.capability import dtype_name
+from liger_dispatch.errors import LigerDispatchError
+
+FORMAT = 1
+PACKAGED = Path(__file__).with_name("tuned_tables")
+LIBRARIES = ("torch", "triton", "helion", "nvidia-cutlass-dsl")
+
+
+class TunedTableError(LigerDispatchError):
+    """A tuned table file that cannot be read or does not have the table format."""
+
+
+# ---------------------------------------------------------------- the key: which GPU and library versions
+
+
+def _version(distribution: str) -> Optional[str]:
+    if distribution == "torch":
+        return torch.__version__
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_key(device: torch.device) -> dict:
+    """What a table must match to apply to calls on `device`: GPU name, compute capability, library versions."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name, capability = torch.cuda.get_device_name(index), list(torch.cuda.get_device_capability(index))
+    else:
+        name, capability = device.type, None
+    return {"device": name, "capability": capability, **{lib: _version(lib) for lib in LIBRARIES}}
+
+
+def describe_key(key: dict) -> str:
+    cc = key.get("capability")
+    where = key.get("device", "?") + (f" sm_{cc[0]}{cc[1]}" if cc else "")
+    return where + ", " + ", ".join(f"{lib} {key.get(lib)}" for lib in LIBRARIES)
+
+
+# ---------------------------------------------------------------- shape buckets
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _rows(t: torch.Tensor, trailing: int = 1) -> int:
+    """The size of the leading dims, flattened."""
+    shape = t.shape
+    return shape[0] if len(shape) == trailing + 1 else math.prod(shape[:-trailing])
+
+
+def _flce(input, weight, target, bias=None, *, label_smoothing=0.0, softcap=None, lse_square_scale=0.0, **_):
+    rest = (("v", pow2_ceil(weight.shape[0])),)
+    if softcap is not None or label_smoothing or lse_square_scale:
+        rest += tuple((name, "on") for name, on in (("softcap", softcap is not None), ("smoothing", label_smoothing),
+                                                    ("z-loss", lse_square_scale)) if on)
+    return pow2_ceil(_rows(input)), rest
+
+
+def _jsd(student_input, student_weight, *_args, jsd_beta=0.5, **_):
+    beta = "0" if jsd_beta == 0.0 else "1" if jsd_beta == 1.0 else "mixture"
+    return pow2_ceil(_rows(student_input)), (("v", pow2_ceil(student_weight.shape[0])), ("beta", beta))
+
+
+def _kl_div(student_input, student_weight, target, *_args, log_target=False, **_):
+    rest = (("v", pow2_ceil(student_weight.shape[0])), ("target", dtype_name(target.dtype)))
+    return pow2_ceil(_rows(student_input)), rest + ((("log_target", "on"),) if log_target else ())
+
+
+def _mhc(x, *_args, **_):
+    return pow2_ceil(_rows(x, 2)), (("hc", x.shape[-2]), ("c", pow2_ceil(x.shape[-1])))
+
+
+BUCKETS: dict[str, Callable[..., tuple[int, tuple]]] = {
+    "flce": _flce, "fused_linear_jsd": _jsd, "fused_linear_kl_div": _kl_div, "mhc_coeffs": _mhc,
+}
+
+
+def bucket_of(op: str, args: Sequence, kwargs: dict) -> Optional[tuple[int, tuple]]:
+    """(N bucket, the op's other bucket fields) of a call, or None for an op without buckets."""
+    fn = BUCKETS.get(op)
+    return None if fn is None else fn(*args, **kwargs)
+
+
+def describe_rest(rest: tuple) -> str:
+    """The bucket fields other than N as a table stores them: "v=131072 beta=mixture"."""
+    return " ".join(f"{k}={v}" for k, v in rest)
+
+
+def describe_bucket(n: int, rest: tuple) -> str:
+    return f"n={n} {describe_rest(rest)}".rstrip()
+
+
+# ---------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One measured point: the backends' times (ms, fwd+bwd median) where they served it."""
+
+    op: str
+    dtype: str
+    n: int
+    rest: tuple
+    ms: tuple[tuple[str, float], ...]  # fastest first
+    shape: str  # the sizes it was measured at
+    source: str  # the file it came from
+    unavailable: tuple[str, ...] = ()  # backends that could not run where it was measured (not staged, say)
+
+    @property
+    def fastest(self) -> str:
+        return self.ms[0][0]
+
+    def describe(self) -> str:
+        times = ", ".join(f"{b} {t:.3g} ms" for b, t in self.ms)
+        return f"({self.op}, {self.dtype}, {describe_bucket(self.n, self.rest)}) measured at {self.shape}: {times}"
+
+
+def _parse_rest(text: str) -> tuple:
+    pairs = [item.split("=", 1) for item in text.split()] if text else []
+    return tuple((k, int(v) if v.isdigit() else v) for k, v in pairs)
+
+
+def read_table(path: Path) -> tuple[dict, list[dict]]:
+    """(key, raw entries) of a table file; TunedTableError when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT:
+            raise TunedTableError(f"{path}: format {data.get('format')!r}, expected {FORMAT}")
+        return data["key"], list(data["entries"])
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise TunedTableError(f"{path}: not a tuned table ({type(exc).__name__}: {exc})") from exc
+
+
+def dumps(table: dict) -> str:
+    """A table as JSON text, one entry a line (diffs of a re-tuned table stay readable)."""
+    head = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in table.items() if k != "entries"]
+    rows = ",\n".join(f"  {json.dumps(e)}" for e in table["entries"])
+    return "{\n" + ",\n".join(head) + ',\n "entries": [\n' + rows + "\n ]\n}\n"
+
+
+def _entry(raw: dict, source: str) -> Entry:
+    ms = sorted(((b, float(t)) for b, t in raw["ms"].items()), key=lambda item: item[1])
+    return Entry(raw["op"], raw["dtype"], int(raw["n"]), _parse_rest(raw.get("bucket", "")), tuple(ms),
+                 raw.get("shape", ""), source, tuple(raw.get("unavailable", {})))
+
+
+class DeviceTables:
+    """The entries that apply on one device, indexed by (op, dtype, other bucket fields) -> {n: Entry}."""
+
+    def __init__(self, key: dict, files: Sequence[Path]):
+        self.key = key
+        self.applied: list[str] = []
+        self.ignored: list[str] = []  # "path: why"
+        self.index: dict[tuple, dict[int, Entry]] = {}
+        for path in files:  # later files win
+            try:
+                table_key, raw_entries = read_table(path)
+            except TunedTableError as exc:
+                self.ignored.append(str(exc))
+                continue
+            if table_key != key:
+                self.ignored.append(f"{path}: made on {describe_key(table_key)}")
+                continue
+            self.applied.append(str(path))
+            for raw in raw_entries:
+                entry = _entry(raw, str(path))
+                if entry.ms:
+                    self.index.setdefault((entry.op, entry.dtype, entry.rest), {})[entry.n] = entry
+        self.ops = frozenset(op for op, _, _ in self.index)
+
+    def entry(self, op: str, dtype: str, n: int, rest: tuple) -> Optional[Entry]:
+        """The entry of this bucket, or of the adjacent power of two (the larger on a tie), or None."""
+        by_n = self.index.get((op, dtype, rest))
+        if not by_n:
+            return None
+        exact = by_n.get(n)
+        if exact is not None:
+            return exact
+        return by_n.get(2 * n) or by_n.get(n // 2)
+
+
+def table_files(extra: Sequence[str]) -> list[Path]:
+    """The committed tables, then the user's (LIGER_TUNED_TABLE): later files win."""
+    packaged = sorted(PACKAGED.glob("*.json")) if PACKAGED.is_dir() else []
+    return packaged + [Path(p) for p in extra]
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple, DeviceTables] = {}
+
+
+def tables_for(device: torch.device, extra: tuple[str, ...]) -> DeviceTables:
+    """The tables that apply on `device`, read once per (device, LIGER_TUNED_TABLE files)."""
+    cache_key = (device, extra)
+    tables = _loaded.get(cache_key)
+    if tables is None:
+        with _lock:
+            tables = _loaded.get(cache_key)
+            if tables is None:
+                tables = _loaded[cache_key] = DeviceTables(device_key(device), table_files(extra))
+    return tables
+
+
+def reset() -> None:
+    """Forget the tables read (after writing a table file in this process)."""
+    with _lock:
+        _loaded.clear()
+
+
+# ---------------------------------------------------------------- what the selector calls
+
+
+def lookup_key(op: str, device: torch.device, args: Sequence, kwargs: dict):
+    """The part of a call's memo key the tables decide: None when no table for `device` has `op`, else
+    (LIGER_TUNED_TABLE's files, N bucket, other bucket fields). Cheap when None: two dict lookups."""
+    extra = settings.TUNED_TABLE.get()
+    tables = _loaded.get((device, extra)) or tables_for(device, extra)
+    if op not in tables.ops:
+        return None
+    n, rest = bucket_of(op, args, kwargs)
+    return extra, n, rest
+
+
+def choice(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key) -> Optional[Entry]:
+    """The entry that orders auto selection for a call with this lookup_key, or None."""
+    if key is None or not dtypes:
+        return None
+    extra, n, rest = key
+    return tables_for(device, extra).entry(op, dtype_name(dtypes[0]), n, rest)
+
+
+def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item
+                   ) -> tuple[list, Optional[Entry]]:
+    """(items, already in static order, with the backends `entry` measured first, fastest first; the entry), or
+    (items, None) when there is no entry or it was measured without a backend that can serve here: its ranking
+    says nothing about that one."""
+    if entry is None or any(backend(item) in entry.unavailable for item in items):
+        return items, None
+    rank = {b: i for i, (b, _) in enumerate(entry.ms)}
+    return sorted(items, key=lambda item: rank.get(backend(item), len(rank))), entry  # stable: static order otherwise
+
+
+def explain(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key, entry: Optional[Entry]) -> list[str]:
+    """explain()'s lines about the tuned tables for this call."""
+    tables = tables_for(device, settings.TUNED_TABLE.get())
+    lines = [f"  tuned tables ignored here: {why}" for why in tables.ignored]
+    unapplied = choice(op, device, dtypes, key) if entry is None else None
+    if entry is not None:
+        lines.insert(0, f"  tuned: {entry.fastest} is fastest in {entry.source} entry {entry.describe()}")
+    elif unapplied is not None:
+        lines.insert(0, f"  tuned: {unapplied.source} entry {unapplied.describe()} was measured without "
+                        f"{', '.join(unapplied.unavailable)}: static priority decides")
+    elif key is not None:
+        _, n, rest = key
+        lines.insert(0, f"  tuned: no entry for ({op}, {dtype_name(dtypes[0]) if dtypes else '-'}, "
+                        f"{describe_bucket(n, rest)}) in {', '.join(tables.applied)}: static priority decides")
+    return lines

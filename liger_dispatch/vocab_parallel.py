@@ -1,0 +1,311 @@
+"""Vocab-parallel (tensor-parallel) fused-linear losses: each rank of a process group holds a contiguous slice of
+the LM head's vocabulary, in rank order (sizes may differ), and the same input rows.
+
+The shared chunked composition (fused_linear.py) runs unchanged on this rank's slice; only the kernel-level op
+changes. Per chunk of C rows, the selected backend's statistics pass reads the slice's logits, the per-row
+statistics of every rank are all-gathered ([W, C, k] fp32) and combined in the same order on every rank
+(log-sum-exp for the lse columns, sums for the others; one collective instead of an all-reduce MAX followed by
+an all-reduce SUM), and the gradient pass writes the slice's gradient over the chunk's logits from the global
+statistics. The loss rows follow from the global statistics, so every rank computes the same loss and no [N, V]
+buffer exists anywhere. Collectives of one call:
+
+    vocab sizes (process_group= only; a DTensor's split is known)    1 all-gather of W int64, read on the host
+    flce, fused_linear_kl_div                                        1 all-gather a chunk ([C, 3] / [C, 4] fp32)
+    fused_linear_jsd                                                 1 all-gather ([C, 2]) + 1 all-reduce ([C, 2])
+    input gradient                                                   1 all-reduce SUM of dX [N, H]
+    fp16 inputs only: the gradient buffers' scale                     1 all-reduce SUM of a [N] fp32 bound
+
+flce with reduction="none" runs its chunks again in the backward (sizes and statistics again, then dX).
+
+Where it plugs in: the dispatcher serves a user-level call whose `process_group` is set with `serving(impl, a)`,
+the driver on the selected implementation's backend (its kernel-level vocab-parallel ops); process_group is a
+ProcessGroup, its group name (the torch op's string argument), or the VocabShard `localized` made. A weight that is
+a DTensor sharded on dim 0 over a 1-D mesh is `localized` by the handle first: the input must then be a DTensor too
+(redistributed to Replicate), the other vocab-sliced tensors (bias, the teacher's weight, the KL target) DTensors
+sharded like it, and the call proceeds on the local tensors, so the loss is a plain tensor and the weight's
+gradient a DTensor shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from liger_dispatch import fused_linear, selection
+from liger_dispatch.errors import InputError
+from liger_dispatch.registry import checks
+from liger_dispatch.schema import Args
+
+# the user-level ops with a vocab-parallel path, and the name of their weight argument
+WEIGHT_ARGUMENT = {"flce": "weight", "fused_linear_jsd": "student_weight", "fused_linear_kl_div": "student_weight"}
+# each op's tensors split like the vocabulary (name: dim), and those every rank holds whole (name: a plain tensor
+# is accepted beside a DTensor weight; the input is not, so a sharded FSDP parameter read outside its forward is
+# refused instead of taken for a vocabulary slice)
+SLICED = {"flce": {"weight": 0, "bias": 0}, "fused_linear_jsd": {"student_weight": 0, "teacher_weight": 0},
+          "fused_linear_kl_div": {"student_weight": 0, "target": -1}}
+REPLICATED = {"flce": {"input": False, "target": True},
+              "fused_linear_jsd": {"student_input": False, "teacher_input": True, "shift_labels": True},
+              "fused_linear_kl_div": {"student_input": False, "shift_labels": True}}
+
+# all_gather_into_tensor was renamed all_gather_single in torch 2.13; the GPU image has 2.11
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def serving(impl, a: Args) -> Callable:
+    """What serves a call of a user-level loss: impl.fn, or, when the call has a process_group, the vocab-parallel
+    driver on impl's backend (the compositions' signature and return contract)."""
+    if getattr(a, "process_group", None) is None:
+        return impl.fn
+    return functools.partial(_DRIVERS[impl.op], _Kernels(impl.backend))
+
+
+def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
+    """A call whose weight is a DTensor sharded on the vocabulary as the same call on this rank's local tensors, with
+    process_group the shard; any other call as it is."""
+    if not _is_dtensor(getattr(a, WEIGHT_ARGUMENT[spec.name])):
+        return a, args, kwargs
+    layout = _DTensorLayout(getattr(a, WEIGHT_ARGUMENT[spec.name]), a.process_group)
+    values = dict(a.__dict__)
+    for name, dim in SLICED[spec.name].items():
+        values[name] = layout.sliced(name, values[name], dim)
+    for name, plain_ok in REPLICATED[spec.name].items():
+        values[name] = layout.replicated(name, values[name], plain_ok)
+    values["process_group"] = layout.shard
+    local = Args(values)
+    return (local, *spec.schema.call_args(local))
+
+
+def resolve_group(process_group):
+    """A ProcessGroup from a ProcessGroup or its group name."""
+    if isinstance(process_group, str):
+        return dist.distributed_c10d._resolve_process_group(process_group)
+    return process_group
+
+
+def group_name(process_group) -> str:
+    """What the torch op takes: the group's name (a ProcessGroup, or a name already)."""
+    if isinstance(process_group, VocabShard):
+        raise InputError("a DTensor weight takes the vocab-parallel path in eager mode only; under torch.compile pass "
+                         "its local tensors (to_local()) with process_group=")
+    return process_group if isinstance(process_group, str) else process_group.group_name
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [start, start + size) of a vocabulary of `total` columns split over `group`.
+
+    widest: the largest slice; every rank sizes its chunks for it, so all ranks make the same collectives."""
+
+    group: Any
+    start: int
+    size: int
+    total: int
+    widest: int
+
+    @classmethod
+    def from_sizes(cls, group, sizes: list[int]) -> "VocabShard":
+        rank = dist.get_rank(group)
+        return cls(group, sum(sizes[:rank]), sizes[rank], sum(sizes), max(sizes))
+
+    @classmethod
+    def of(cls, process_group, weight: torch.Tensor) -> "VocabShard":
+        """The shard of a call: the one `localized` made, or the slice sizes of process_group's ranks exchanged."""
+        if isinstance(process_group, VocabShard):
+            return process_group
+        return cls.exchange(resolve_group(process_group), weight.shape[0], weight.device)
+
+    @classmethod
+    def exchange(cls, group, size: int, device: torch.device) -> "VocabShard":
+        """Every rank's slice size, all-gathered (one collective and one host read)."""
+        sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+        _all_gather(sizes, torch.tensor([size], dtype=torch.int64, device=device), group=group)
+        return cls.from_sizes(group, sizes.tolist())
+
+    def combine(self, stats: torch.Tensor, lse_columns: int) -> torch.Tensor:
+        """The global [C, k] statistics from this rank's [C, k]: all-gathered, then combined."""
+        world = dist.get_world_size(self.group)
+        gathered = stats.new_empty((world * stats.shape[0], *stats.shape[1:]))  # gloo takes the concatenated form
+        _all_gather(gathered, stats.contiguous(), group=self.group)
+        return combine(gathered.view(world, *stats.shape), lse_columns)
+
+    def sum_over_ranks(self, t: torch.Tensor) -> None:
+        """t <- its sum over the ranks, in place (t contiguous)."""
+        dist.all_reduce(t, group=self.group)
+
+    def bound_over_ranks(self, row_bound: Callable, x: torch.Tensor, vocab: int) -> torch.Tensor:
+        """A bound of each row's gradient L1 norm on every slice (fp16 buffers, grad_bounds.py): the sum over the
+        ranks of each slice's own bound ([N] fp32 for the N rows of x, one all-reduce). A slice's bound, computed from its own
+        tensors, need not hold for the others: its lse bound misses the other slices' logits, its KL mass the
+        other slices' target mass. The sum covers them: the KL gradient's L1 norm on a slice is at most
+        (total mass + slice mass) / T, and the CE / JSD bounds grow with each slice's logit bound and log of its
+        width, whose sums exceed their maximum and log of the total width (slices of at least 2 columns)."""
+        local = row_bound() if vocab else 0.0
+        total = torch.as_tensor(local, dtype=torch.float32, device=x.device).broadcast_to(x.shape[:1]).contiguous()
+        self.sum_over_ranks(total)
+        return total
+
+
+def combine(gathered: torch.Tensor, lse_columns: int) -> torch.Tensor:
+    """Global per-row statistics from every rank's [W, C, k]: a log-sum-exp over the ranks of the first
+    `lse_columns` columns, a sum of the others. The same arithmetic in the same order on every rank."""
+    total = gathered.sum(0)
+    total[:, :lse_columns] = torch.logsumexp(gathered[:, :, :lse_columns], dim=0)
+    return total
+
+
+def ce_rows(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int, ignore_index: int,
+            label_smoothing: float, lse_square_scale: float) -> torch.Tensor:
+    """Per-row cross-entropy from the global ce_vp_stats (lse, z_target, sum z)."""
+    lse, z_target, z_sum = stats.unbind(1)
+    eps = label_smoothing
+    loss = (1.0 - eps) * (lse - z_target) + eps * (lse - z_sum / vocab_size) + lse_square_scale * lse * lse
+    return torch.where(target != ignore_index, loss, 0.0)
+
+
+def kl_div_rows(stats: torch.Tensor) -> torch.Tensor:
+    """Per-row KL from the global kl_div_vp_stats (lse, sum q, sum q log q, sum q s); ignored rows are all 0."""
+    lse, q_sum, q_log_q, q_s = stats.unbind(1)
+    return q_log_q - q_s + lse * q_sum
+
+
+class _Kernels:
+    """The vocab-parallel kernel-level ops of the backend that serves the user-level call; a backend without them
+    falls back to the reference like any op (a FallbackWarning, an error under LIGER_STRICT=1)."""
+
+    def __init__(self, backend: str):
+        self.pinned = (backend,)
+
+    def __call__(self, op: str, *args, **kwargs):
+        return selection.select(op, self.pinned, args, kwargs).fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- where the tensors are
+
+
+def _dtensor_types():
+    """(DTensor, Replicate, Shard), or None while torch.distributed.tensor is not imported (then no DTensor exists)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else (module.DTensor, module.Replicate, module.Shard)
+
+
+def _is_dtensor(t) -> bool:
+    types = _dtensor_types()
+    return types is not None and isinstance(t, types[0])
+
+
+class _DTensorLayout:
+    """Where a call's tensors sit when its weight is a DTensor sharded on the vocabulary over a 1-D mesh."""
+
+    def __init__(self, weight: torch.Tensor, process_group):
+        mesh = weight.device_mesh
+        if mesh.ndim != 1:
+            raise InputError(f"weight is a DTensor on a {mesh.ndim}-D mesh; the vocab-parallel path needs a 1-D mesh "
+                             "(pass the tensor-parallel submesh's DTensor, or to_local() slices with process_group=)")
+        if process_group is not None and resolve_group(process_group) is not mesh.get_group():
+            raise InputError("process_group is not the group of the weight's DeviceMesh; pass one of them")
+        self.mesh = mesh
+        vocab, world = weight.shape[0], mesh.size()
+        step = -(-vocab // world)  # Shard(0) splits as torch.chunk does
+        sizes = [max(0, min(step, vocab - r * step)) for r in range(world)]
+        self.shard = VocabShard.from_sizes(mesh.get_group(), sizes)
+
+    def sliced(self, name: str, t, dim: int):
+        """This rank's slice of a tensor split along `dim` like the vocabulary (a DTensor's local shard)."""
+        if t is None:
+            return t
+        _, _, shard = _dtensor_types()
+        if not _is_dtensor(t) or t.device_mesh != self.mesh or tuple(t.placements) != (shard(dim % t.dim()),):
+            raise InputError(f"{name} must be a DTensor sharded on dim {dim} over the weight's mesh, like the weight")
+        local = t.to_local()
+        if local.shape[dim] != self.shard.size:
+            raise InputError(f"{name} holds {local.shape[dim]} columns of the vocabulary on this rank, expected "
+                             f"{self.shard.size} (the split of torch.chunk)")
+        return local
+
+    def replicated(self, name: str, t, plain_ok: bool):
+        """A tensor every rank holds whole: a DTensor is redistributed to Replicate and its local tensor taken."""
+        dtensor, replicate, _ = _dtensor_types()
+        if isinstance(t, dtensor):
+            return t.redistribute(self.mesh, [replicate()]).to_local()
+        if t is None or plain_ok:
+            return t
+        raise InputError(f"{name} must be a DTensor on the weight's mesh (it is redistributed to Replicate) when the "
+                         "weight is a DTensor; a sharded FSDP parameter read outside its module's forward lands here "
+                         "too: read the weight inside the forward (liger_dispatch.nn.LMHeadLoss)")
+
+
+# ---------------------------------------------------------------- kernel-level stand-ins for the composition
+
+
+def _ce_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
+    """ce_loss_and_grad of the composition, over this rank's slice."""
+
+    def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+                         lse_square_scale=0.0):
+        # the op's own class check saw one slice (flce_classes skips a vocab-parallel call)
+        checks.class_indices("target", target, shard.total, ignore_index)
+        stats = kernels("ce_vp_stats", logits, target, vocab_start=shard.start, ignore_index=ignore_index,
+                        softcap=softcap)
+        total = shard.combine(stats, lse_columns=1)
+        kernels("ce_vp_grad", logits, target, total[:, 0], vocab_start=shard.start, vocab_size=shard.total,
+                grad_scale=grad_scale, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                lse_square_scale=lse_square_scale)
+        return ce_rows(total, target, vocab_size=shard.total, ignore_index=ignore_index,
+                       label_smoothing=label_smoothing, lse_square_scale=lse_square_scale)
+
+    return ce_loss_and_grad
+
+
+def _jsd_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
+    """jsd_loss_and_grad of the composition, over this rank's slice."""
+
+    def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100,
+                          temperature=1.0, grad_scale=None):
+        common = dict(ignore_index=ignore_index, temperature=temperature)
+        lse = shard.combine(kernels("jsd_vp_stats", student_logits, teacher_logits, labels, **common), lse_columns=2)
+        sums = kernels("jsd_vp_sums", student_logits, teacher_logits, lse, labels, beta=beta, **common)
+        shard.sum_over_ranks(sums)
+        kernels("jsd_vp_grad", student_logits, teacher_logits, lse, sums, labels, beta=beta, grad_scale=grad_scale,
+                **common)
+        return sums[:, 0]
+
+    return jsd_loss_and_grad
+
+
+def _kl_div_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
+    """kl_div_loss_and_grad of the composition, over this rank's slice."""
+
+    def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                             log_target=False, grad_scale=None):
+        common = dict(ignore_index=ignore_index, temperature=temperature, log_target=log_target)
+        stats = kernels("kl_div_vp_stats", student_logits, target, labels, eps=eps, **common)
+        total = shard.combine(stats, lse_columns=1)
+        kernels("kl_div_vp_grad", student_logits, target, total[:, 0], total[:, 1], labels, grad_scale=grad_scale,
+                **common)
+        return kl_div_rows(total)
+
+    return kl_div_loss_and_grad
+
+
+# ---------------------------------------------------------------- the user-level ops
+
+
+def _driver(op: str, compose: Callable, stand_in: Callable) -> Callable:
+    """A user-level loss over this rank's slice: the composition of the backend's stand-in kernel-level op."""
+
+    def vocab_parallel_op(kernels, *args, process_group, **options):
+        weight = args[1] if len(args) > 1 else options[WEIGHT_ARGUMENT[op]]
+        shard = VocabShard.of(process_group, weight)
+        return compose(stand_in(shard, kernels), shard)(*args, **options)
+
+    return vocab_parallel_op
+
+
+_DRIVERS = {"flce": _driver("flce", fused_linear.compose_flce, _ce_kernel),
+            "fused_linear_jsd": _driver("fused_linear_jsd", fused_linear.compose_jsd, _jsd_kernel),
+            "fused_linear_kl_div": _driver("fused_linear_kl_div", fused_linear.compose_kl_div, _kl_div_kernel)}

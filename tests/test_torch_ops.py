@@ -1,0 +1,304 @@
+"""The ops as PyTorch ops: schemas checked at registration, torch.library.opcheck, torch.compile(fullgraph=True)
+with no graph break equal to eager, the backend preference inside compiled code, autocast, and on a GPU: no host
+sync on the hot path and CUDA-graph capture."""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import liger_dispatch as ld
+from liger_dispatch import dispatch
+from liger_dispatch.errors import SignatureError
+from liger_dispatch.table import TABLE
+
+from kernel_checks import assert_rel_close
+
+N, H, V, HC, C = 6, 16, 40, 4, 8
+LOSSES = {
+    "flce": dict(label_smoothing=0.1, softcap=20.0, lse_square_scale=1e-3),
+    "fused_linear_jsd": dict(jsd_beta=0.3, temperature=2.0),
+    "fused_linear_kl_div": dict(temperature=1.5),
+}
+
+
+def loss_inputs(op, device="cpu", dtype=torch.float32):
+    def t(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    labels = torch.randint(0, V, (N,), device=device)
+    labels[1] = -100
+    x, w = t(N, H).requires_grad_(), (t(V, H) * 0.3).requires_grad_()
+    if op == "flce":
+        return x, w, labels, t(V).requires_grad_()
+    if op == "fused_linear_jsd":
+        return x, w, t(N, H), t(V, H) * 0.3, labels
+    return x, w, torch.softmax(t(N, V), -1), labels
+
+
+def mhc_inputs(device="cpu"):
+    n = HC * HC + 2 * HC
+    x = torch.randn(2, 3, HC, C, device=device, requires_grad=True)
+    phi = (torch.randn(HC * C, n, device=device) * 0.1).requires_grad_()
+    b = torch.randn(n, device=device).requires_grad_()
+    alphas = [torch.tensor(v, device=device).requires_grad_() for v in (0.5, 0.7, 0.9)]
+    return x, phi, b, *alphas
+
+
+def grads_of(out, tensors):
+    outs = out if isinstance(out, tuple) else (out,)
+    total = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))
+    leaves = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    return outs, torch.autograd.grad(total, leaves)
+
+
+def compiled_equals_eager(fn, args, **compile_options):
+    """fn compiled with fullgraph=True: no graph break, same outputs and gradients as eager."""
+    counters.clear()
+    want, want_grads = grads_of(fn(*args), args)
+    got, got_grads = grads_of(torch.compile(fn, fullgraph=True, **compile_options)(*args), args)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for g, w in zip((*got, *got_grads), (*want, *want_grads)):
+        assert_rel_close("compiled", g, w, 1e-5)
+
+
+def backends_here(op):
+    return [b for b in ("reference", "triton", "helion") if b in ld.available_backends(op, device="cpu",
+                                                                                       dtype=torch.float32)]
+
+
+# -- the schema ------------------------------------------------------------------------------------------------------
+def test_registration_rejects_a_signature_that_is_not_the_schema(isolated_table):
+    def wrong_name(student_logits, teacher, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+                   grad_scale=None):
+        pass
+
+    def knob(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
+             grad_scale=None, block_size=None):
+        pass
+
+    def wrong_default(student_logits, teacher_logits, labels=None, *, beta=0.2, ignore_index=-100, temperature=1.0,
+                      grad_scale=None):
+        pass
+
+    for fn, message in ((wrong_name, "parameter 1 is 'teacher', the schema has 'teacher_logits'"),
+                        (knob, "'block_size' is not in the op's schema"),
+                        (wrong_default, "'beta' must default to 0.5")):
+        with pytest.raises(SignatureError, match=f"mine's implementation of jsd_loss_and_grad: .*{message}"):
+            ld.register_backend("jsd_loss_and_grad", backend="mine")(fn)
+
+
+def test_kernel_ops_bind_like_python():
+    handle = dispatch.op("jsd_loss_and_grad", backend="reference")
+    s, t = torch.randn(2, 5), torch.randn(2, 5)
+    assert handle(s, t).shape == (2,)  # labels and beta take their documented defaults
+    with pytest.raises(TypeError, match="unexpected keyword argument 'betta'"):
+        handle(s, t, betta=0.1)
+    with pytest.raises(TypeError, match="missing required argument"):
+        handle(s)
+
+
+# -- torch.library ---------------------------------------------------------------------------------------------------
+def _opcheck(op, args, kwargs):
+    result = torch.library.opcheck(getattr(torch.ops.liger_dispatch, op).default, args, kwargs)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("op", list(LOSSES))
+def test_opcheck_losses(op):
+    args = loss_inputs(op)
+    need = [True] * len(TABLE.spec(op).differentiable)
+    _opcheck(op, args, dict(LOSSES[op], need_grads=need, backend="reference"))
+    if op == "flce":
+        _opcheck(op, args, dict(reduction="none", backend="reference"))
+        _opcheck(op, (*args, torch.rand(N)), dict(reduction="sum", need_grads=[True, True, True], backend="reference"))
+
+
+def test_opcheck_kernel_level_ops():
+    logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
+    _opcheck("ce_loss_and_grad", (logits.clone(), labels), dict(grad_scale=torch.rand(N), label_smoothing=0.1))
+    _opcheck("jsd_loss_and_grad", (logits.clone(), torch.randn(N, V), labels), dict(beta=0.3))
+    _opcheck("kl_div_loss_and_grad", (logits.clone(), torch.softmax(torch.randn(N, V), -1), None), {})
+
+
+def test_opcheck_mhc():
+    x, phi, b, *alphas = mhc_inputs()
+    _opcheck("mhc_coeffs", (x, phi, b, *alphas), dict(tmax=3, backend="reference"))
+    rows = x.detach().reshape(-1, HC * C)
+    _opcheck("mhc_coeff_fwd", (rows, phi.detach(), b.detach(), *(a.detach() for a in alphas)), dict(hc=HC, tmax=3))
+    *_, mix, rstd = torch.ops.liger_dispatch.mhc_coeff_fwd(rows, phi.detach(), b.detach(),
+                                                           *(a.detach() for a in alphas), hc=HC, tmax=3)
+    grads = (torch.randn(rows.shape[0], HC), None, torch.randn(rows.shape[0], HC, HC))
+    _opcheck("mhc_coeff_bwd", (rows, phi.detach(), b.detach(), *(a.detach() for a in alphas), mix, rstd, *grads),
+             dict(hc=HC, tmax=3))
+
+
+# -- torch.compile ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", list(LOSSES))
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compile_fullgraph_losses(op, backend):
+    if backend not in backends_here(op):
+        pytest.skip(f"{backend} cannot run {op} here")
+    handle = dispatch.op(op, backend=backend)
+    compiled_equals_eager(lambda *a: handle(*a, **LOSSES[op]), loss_inputs(op))
+
+
+def test_compile_fullgraph_flce_per_row():
+    handle = dispatch.op("flce", backend="reference")
+    compiled_equals_eager(lambda *a: handle(*a, reduction="none"), loss_inputs("flce"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compile_fullgraph_mhc(backend):
+    if backend not in backends_here("mhc_coeffs"):
+        pytest.skip(f"{backend} cannot run mhc_coeffs here")
+    handle = dispatch.op("mhc_coeffs", backend=backend)
+    compiled_equals_eager(lambda *a: handle(*a, tmax=3), mhc_inputs())
+
+
+def test_compile_fullgraph_nn_modules():
+    loss = ld.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1)
+    x, w, y, bias = loss_inputs("flce")
+    compiled_equals_eager(lambda x, w: loss(x, w, y, bias), (x, w))
+    coeffs = ld.nn.MHCCoeffs(HC, C, tmax=3)
+    compiled_equals_eager(lambda x: coeffs(x), (mhc_inputs()[0],))
+
+
+def test_preference_is_read_when_the_compiled_op_runs(isolated_table):
+    """Selection runs inside the op: one compiled function follows use_backend and LIGER_BACKEND at run time."""
+    from liger_dispatch.backends.reference.ce import ce_loss_and_grad
+
+    calls = []
+
+    @ld.register_backend("ce_loss_and_grad", backend="spy", priority=200, capability=ld.Capability(devices=("cpu",)))
+    def spy(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+            lse_square_scale=0.0):
+        calls.append(logits.shape)
+        return ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale)
+
+    fn = torch.compile(lambda *a: dispatch.op("flce")(*a), fullgraph=True)
+    args = loss_inputs("flce")
+    fn(*args)
+    assert not calls
+    with ld.use_backend("spy"):
+        fn(*args)
+    assert calls
+    pinned = torch.compile(lambda *a: dispatch.op("flce", backend="spy")(*a), fullgraph=True)
+    calls.clear()
+    pinned(*args)
+    assert calls
+
+
+def test_backward_scales_by_grad_loss_and_refuses_a_second_backward():
+    x, w, y, bias = loss_inputs("flce")
+    loss = dispatch.op("flce")(x, w, y, bias)
+    grads = torch.autograd.grad(loss * 3.0, (x, w, bias), retain_graph=True)
+    want = torch.autograd.grad(3.0 * dispatch.op("flce")(x, w, y, bias), (x, w, bias))
+    for g, ref in zip(grads, want):
+        assert_rel_close("scaled", g, ref, 1e-6)
+    with pytest.raises(RuntimeError, match="cannot be backpropagated twice"):
+        torch.autograd.grad(loss, (x, w, bias))
+
+
+def test_autocast_casts_like_a_linear_layer():
+    """An fp32 master weight with a bf16 activation under autocast: cast as F.linear is; gradients in fp32."""
+    x = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = dispatch.op("flce")(x, w, y)
+        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float(), y)
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert_rel_close("autocast flce", loss, ref, 1e-2)
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------------------
+def gpu_backends(op):
+    return [b for b in ld.available_backends(op, device="cuda", dtype=torch.bfloat16) if b != "reference"]
+
+
+def gpu_calls():
+    for op in LOSSES:
+        for backend in gpu_backends(op):
+            handle = dispatch.op(op, backend=backend)
+            yield f"{op}-{backend}", (lambda h=handle, o=op: lambda *a: h(*a, **LOSSES[o]))(), \
+                lambda o=op: loss_inputs(o, "cuda", torch.bfloat16)
+    for backend in gpu_backends("mhc_coeffs"):
+        handle = dispatch.op("mhc_coeffs", backend=backend)
+        yield f"mhc_coeffs-{backend}", (lambda h=handle: lambda *a: h(*a, tmax=3))(), lambda: mhc_inputs("cuda")
+
+
+def fresh_leaves(args):
+    return tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+@pytest.mark.gpu
+def test_gpu_hot_path_never_syncs():
+    for name, fn, make in gpu_calls():
+        args = make()
+        grads_of(fn(*args), args)  # compile and warm up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            grads_of(fn(*args), args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_every_op_and_backend():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, fn, make in gpu_calls():
+            torch._dynamo.reset()  # one compiled function per op and backend, not recompiles of one
+            counters.clear()
+            args = make()
+            want, want_grads = grads_of(fn(*args), args)
+            got, got_grads = grads_of(torch.compile(fn, fullgraph=True)(*args), args)
+            assert not counters["graph_break"], name
+            for g, w in zip((*got, *got_grads), (*want, *want_grads)):
+                assert_rel_close(name, g, w, 2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay_every_op_and_backend():
+    for name, fn, make in gpu_calls():
+        eager_args = make()
+        want, want_grads = grads_of(fn(*eager_args), eager_args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graph asks
+            args = fresh_leaves(eager_args)  # leaves whose autograd nodes are made on this stream
+            leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            grads_of(fn(*args), args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs, grads = grads_of(fn(*args), args)
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip((*outs, *grads), (*want, *want_grads)):
+            assert_rel_close(name, g, w, 2e-2)
+        assert len(grads) == len(leaves)
+
+
+@pytest.mark.gpu
+def test_gpu_reduce_overhead_compile_replays_to_eager():
+    for name, fn, make in gpu_calls():
+        torch._dynamo.reset()
+        args = make()
+        want, want_grads = grads_of(fn(*args), args)
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            got, got_grads = grads_of(compiled(*args), args)
+        for g, w in zip((*got, *got_grads), (*want, *want_grads)):
+            assert_rel_close(name, g, w, 2e-2)
+
+
+def test_every_declared_op_is_a_torch_op():
+    for name in TABLE.op_names():
+        assert hasattr(torch.ops.liger_dispatch, name), name
