@@ -66,6 +66,14 @@ def check(loss, grad, expected_loss, expected_grad):
     torch.testing.assert_close(grad.double(), expected_grad, rtol=rtol, atol=atol)
 
 
+def check_rows_relative(loss, grad, expected_loss, expected_grad, tol=5e-3):
+    """Real vocabularies: softmax entries near 1/V sit far below any useful atol, so compare each row's
+    gradient by its relative norm (bf16 rounding alone gives ~2e-3)."""
+    torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-4, atol=1e-4)
+    err = (grad.double() - expected_grad).norm(dim=1)
+    assert (err <= tol * expected_grad.norm(dim=1)).all(), err.max()
+
+
 def rel_err(got, want) -> float:
     """Relative Frobenius error of got against want (got's norm when want is all zero), in float64."""
     got, want = got.detach().double(), want.detach().double()

@@ -7,10 +7,7 @@ On the GPU (`pytest -m gpu`): loss and in-place gradient match the reference for
 ragged V, strided rows, every grad_scale form, ignored rows and C * V > 2^31.
 """
 
-import ctypes
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +19,8 @@ from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _support, ce, jsd, kl_div  # noqa: E402
 from liger_dispatch.backends.cutedsl._row import RowLaunch  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
-from cutedsl_checks import cubin_resources, cutedsl_impl  # noqa: E402
+from cutedsl_checks import (check_compiled, cutedsl_impl, kl_target, run_probe, strided_rows,  # noqa: E402
+                            validate_only)
 
 OPS = {"ce_loss_and_grad": ce, "jsd_loss_and_grad": jsd, "kl_div_loss_and_grad": kl_div}
 bf16, fp16, fp32, i64, i32 = torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int32
@@ -76,12 +74,7 @@ VARIANTS = [
                          ids=[f"{m.__name__.rsplit('.', 1)[1]}{i}" for i, (m, _) in enumerate(VARIANTS)])
 def test_kernel_compiles_for_sm90a_without_spills(module, key, tmp_path, monkeypatch):
     monkeypatch.setenv("LIGER_CUTEDSL_DUMP_DIR", str(tmp_path))
-    launcher = module._compiled.__wrapped__(*key)  # bypass the process cache: always compile here
-    cubin = launcher.compiled.artifacts.CUBIN
-    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
-    res = cubin_resources(cubin)
-    assert res["frame"] == 0 and res["local"] == 0, res
-    assert res["regs"] is not None and res["regs"] <= 128, res  # >= 2 CTAs of 256 threads per SM
+    check_compiled(module._compiled.__wrapped__(*key))  # bypass the process cache: always compile here
 
 
 class _Recorder:
@@ -188,56 +181,14 @@ def test_fallback_views_have_the_compiled_dynamic_layouts():
 @pytest.mark.skipif(not _support.USE_TVM_FFI, reason="apache-tvm-ffi is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="presents CPU memory as cuda:0, which must not reach a real GPU")
 def test_tvm_ffi_accepts_every_call_the_wrappers_make():
-    """A child process (CUTE_DSL_ARCH must be set before cutlass is imported) runs the wrappers on CPU tensors
-    shown to TVM-FFI as cuda:0: argument checks (count, dtypes, shapes, strides, alignment) must pass and only
-    the launch fail, for want of a driver."""
-    env = dict(os.environ, CUTE_DSL_ARCH=_support.ARCH)
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "validated" in proc.stdout
-
-
-class _FakeCuda:
-    """A CPU tensor exported through DLPack as if it lived on cuda:0."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def __dlpack_device__(self):
-        return (2, 0)
-
-    def __dlpack__(self, stream=None, **_):
-        capsule = self.t.__dlpack__()
-        get = ctypes.pythonapi.PyCapsule_GetPointer
-        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-        ctypes.c_int32.from_address(get(capsule, b"dltensor") + 8).value = 2  # DLTensor.device.device_type
-        return capsule
+    """A child process runs the wrappers on CPU tensors shown to TVM-FFI as cuda:0 (cutedsl_checks.run_probe)."""
+    run_probe(__file__)
 
 
 def _probe_calls():
     """Child of test_tvm_ffi_accepts_every_call_the_wrappers_make."""
-    import tvm_ffi
-
-    def validated_only(compiled):
-        def key(*k):
-            launcher = compiled(*k)
-
-            def call(*args):
-                try:
-                    launcher._ffi(*[tvm_ffi.from_dlpack(_FakeCuda(a)) if isinstance(a, torch.Tensor) else a
-                                    for a in args])
-                except RuntimeError as e:
-                    if "cuda" not in str(e).lower():
-                        raise
-                    return
-                raise AssertionError("launched without a GPU")
-
-            return call
-
-        return key
-
     for module in OPS.values():
-        module._compiled = validated_only(module._compiled)
+        module._compiled = validate_only(module._compiled)
     torch.manual_seed(0)
     C = 6
     y64 = torch.tensor([0, -100, 2, 3, 4, 5])
@@ -290,10 +241,6 @@ def _reference_rows(rows_fn, x, *others, grad_scale=None):
     return rows.detach(), grad
 
 
-def _strided(C, V, dtype, pad=0, scale=3.0):
-    return (torch.randn(C, V + pad, device="cuda") * scale).to(dtype)[:, :V]
-
-
 GPU_DTYPES = [bf16, fp16, fp32]
 GPU_VOCABS = [128256, 262208, 1000, 4099, 32003]
 
@@ -306,7 +253,7 @@ def test_gpu_ce_matches_reference(dtype, V):
     C = 6
     for opts, pad, scale in [({}, 0, None), (dict(label_smoothing=0.1, lse_square_scale=1e-4), 8, torch.tensor(0.25)),
                              (dict(softcap=20.0), 0, torch.rand(C))]:
-        x = _strided(C, V, dtype, pad)
+        x = strided_rows(C, V, dtype, pad)
         target = torch.randint(0, V, (C,), device="cuda")
         target[1] = -100
         scale = None if scale is None else scale.cuda()
@@ -323,7 +270,7 @@ def test_gpu_ce_matches_reference(dtype, V):
 def test_gpu_jsd_matches_reference(dtype, V, beta):
     torch.manual_seed(0)
     C = 5
-    s, t = _strided(C, V, dtype, pad=16), _strided(C, V, dtype)
+    s, t = strided_rows(C, V, dtype, pad=16), strided_rows(C, V, dtype)
     labels = torch.tensor([0, -100, 3, 4, 5], device="cuda")
     scale = torch.tensor(0.5, device="cuda").expand(C)
     ref_loss, ref_grad = _reference_rows(
@@ -340,10 +287,8 @@ def test_gpu_jsd_matches_reference(dtype, V, beta):
 def test_gpu_kl_div_matches_reference(dtype, V, log_target):
     torch.manual_seed(0)
     C = 4
-    s = _strided(C, V, dtype)
-    q = torch.softmax(torch.randn(C, V, device="cuda") * 2.0, dim=-1)
-    q[0, :V // 2] = 0.0  # 0 log 0 = 0
-    target = (q.log() if log_target else q).to(dtype)
+    s = strided_rows(C, V, dtype)
+    target = kl_target(C, V, dtype, log_target)
     ref_loss, ref_grad = _reference_rows(
         lambda z, qq: formulas.kl_div_rows(z, qq, None, temperature=1.5, log_target=log_target), s, target)
     loss = kl_div.kl_div_loss_and_grad(s, target, None, temperature=1.5, log_target=log_target)

@@ -9,6 +9,8 @@ several ragged blocks; on a GPU host (`pytest -m gpu`) the same tests run at the
 whose C * V exceeds 2^31.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from liger_dispatch.errors import InputError
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 
 from kernel_checks import DEVICE, IGNORE, check, grad_scale, inputs, reference
+from vp_checks import check_empty_slice
 
 ON_GPU = DEVICE == "cuda"
 # an empty slice's lse is log(0) = -inf, which numpy in Triton's interpreter reports
@@ -37,13 +40,20 @@ def backends(op):
 
 @pytest.fixture(autouse=True)
 def small_blocks():
-    """In the interpreter, Triton's kernels stream 16-column blocks: a slice spans several, the last ragged."""
-    if ON_GPU or "triton" not in ld.available_backends("ce_vp_stats", device=DEVICE):
-        yield
-        return
-    from liger_dispatch.backends.triton import vocab_parallel as triton_vp
+    """In the interpreter, Triton's and Helion's kernels stream 16-column blocks: a slice spans several, the last
+    ragged."""
+    available = [] if ON_GPU else ld.available_backends("ce_vp_stats", device=DEVICE)
+    with contextlib.ExitStack() as stack:
+        if "triton" in available:
+            from liger_dispatch.backends.triton import vocab_parallel as triton_vp
 
-    with triton_vp.LAUNCH.using(block_size=16):
+            stack.enter_context(triton_vp.LAUNCH.using(block_size=16))
+        if "helion" in available:
+            from liger_dispatch.backends.helion import vocab_parallel as helion_vp
+
+            config = {"block_sizes": [1, 16], "num_warps": 1, "num_stages": 1}
+            for kernel in helion_vp.KERNELS:
+                stack.enter_context(kernel.using(config))
         yield
 
 
@@ -159,6 +169,12 @@ def test_all_rows_ignored(backend, family):
     else:
         loss = run_kl(backend, x, probabilities(), everything, sizes, None)
     assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(x, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("backend", backends("ce_vp_stats"))
+def test_empty_slice(backend):
+    """A slice of no columns alone: -inf log-sum-exp on the rows not ignored, zeros elsewhere, no-op gradients."""
+    check_empty_slice(lambda op: dispatch.op(op, backend=backend), DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -7,7 +7,7 @@ place, can find it in L2.
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
@@ -66,23 +66,7 @@ class CrossEntropyKernel:
             # Read before pass 2 overwrites the row.
             z_y, _ = self.logits(Float32(mX[row, y]), softcap)
 
-            # Pass 1: base-2 online softmax state; padding loads as 0 (z = 0 too), masked to -inf for the max/sum.
-            m = Float32(NEG_BIG)
-            d = Float32(0.0)
-            z_sum = Float32(0.0)
-            for k in cutlass.range(n_full, unroll=1):
-                z, _ = self.logits(tiles.load(k, keep=True), softcap)
-                m, d = online_softmax_step(m, d, z * LOG2E)
-                if const_expr(self.has_smoothing):
-                    z_sum += tile_sum(z)
-            if tail:
-                pred = tiles.predicate(n_full)
-                z, _ = self.logits(tiles.load(n_full, pred, keep=True), softcap)
-                m, d = online_softmax_step(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
-                if const_expr(self.has_smoothing):
-                    z_sum += tile_sum(z)
-            m, d = block_lse(m, d, buf, 0)
-            lse2 = m + cute.math.log2(d, fastmath=True)
+            lse2, z_sum = self.softmax_state(tiles, n_full, tail, softcap, buf)
             lse = lse2 * LN2
             loss = lse - (1.0 - smoothing) * z_y + lse_square_scale * lse * lse
             if const_expr(self.has_smoothing):
@@ -96,16 +80,46 @@ class CrossEntropyKernel:
             p_coef = scale * (1.0 + 2.0 * lse_square_scale * lse)
             uniform = scale * smoothing / Float32(n_cols)
             on_target = scale * (1.0 - smoothing)
-            for k in cutlass.range(n_full, unroll=1):
-                tiles.store(k, self.grad(tiles.load(k), tiles.columns(k), y, softcap, lse2, p_coef, uniform, on_target))
-            if tail:
-                pred = tiles.predicate(n_full)
-                g = self.grad(tiles.load(n_full, pred), tiles.columns(n_full), y, softcap, lse2, p_coef, uniform,
-                              on_target)
-                tiles.store(n_full, g, pred)
+            self.write_grad(tiles, n_full, tail, y, softcap, lse2, p_coef, uniform, on_target)
 
         if tidx == 0:
             mLoss[row] = loss
+
+    @cute.jit
+    def softmax_state(self, tiles: RowTiles, n_full: Int32, tail: Boolean, softcap: Float32, buf: cute.Tensor):
+        """Pass 1 over the row: (base-2 log-sum-exp of z, CTA-wide from slots 0-1 of buf; this thread's part of
+        sum z with smoothing, else 0).
+
+        Loads evict-last: a later pass reads the row again. Padding loads as 0 (z = 0 too), masked to -inf for the
+        max and sum."""
+        m = Float32(NEG_BIG)
+        d = Float32(0.0)
+        z_sum = Float32(0.0)
+        for k in cutlass.range(n_full, unroll=1):
+            z, _ = self.logits(tiles.load(k, keep=True), softcap)
+            m, d = online_softmax_step(m, d, z * LOG2E)
+            if const_expr(self.has_smoothing):
+                z_sum += tile_sum(z)
+        if tail:
+            pred = tiles.predicate(n_full)
+            z, _ = self.logits(tiles.load(n_full, pred, keep=True), softcap)
+            m, d = online_softmax_step(m, d, cute.where(tiles.element_mask(pred), z * LOG2E, -Float32.inf))
+            if const_expr(self.has_smoothing):
+                z_sum += tile_sum(z)
+        m, d = block_lse(m, d, buf, 0)
+        return m + cute.math.log2(d, fastmath=True), z_sum
+
+    @cute.jit
+    def write_grad(self, tiles: RowTiles, n_full: Int32, tail: Boolean, y: Int32, softcap: Float32, lse2: Float32,
+                   p_coef: Float32, uniform: Float32, on_target: Float32):
+        """Pass 2: the gradient over the row (see grad); y may be any column index, or none of the row's."""
+        for k in cutlass.range(n_full, unroll=1):
+            tiles.store(k, self.grad(tiles.load(k), tiles.columns(k), y, softcap, lse2, p_coef, uniform, on_target))
+        if tail:
+            pred = tiles.predicate(n_full)
+            g = self.grad(tiles.load(n_full, pred), tiles.columns(n_full), y, softcap, lse2, p_coef, uniform,
+                          on_target)
+            tiles.store(n_full, g, pred)
 
     @cute.jit
     def grad(self, x: cute.TensorSSA, cols: cute.TensorSSA, y: Int32, softcap: Float32, lse2: Float32,

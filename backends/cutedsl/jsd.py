@@ -11,7 +11,7 @@ The gradient w.r.t. the student logits carries 1/T and grad_scale; the teacher i
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
@@ -63,6 +63,81 @@ class JSDKernel:
             diff = lq - lm
             return beta * p * (lp - lm) + (1.0 - beta) * q * diff, q, diff
 
+    @cute.jit
+    def softmax_states(self, student: RowTiles, teacher: RowTiles, n_full: Int32, tail: Boolean, to_base2: Float32,
+                       buf: cute.Tensor):
+        """Pass 1 over the row: the base-2 log-sum-exp of student and teacher (times to_base2), CTA-wide from slots
+        0-3 of buf. Loads evict-last; padding loads as 0, masked to -inf."""
+        m_s = Float32(NEG_BIG)
+        d_s = Float32(0.0)
+        m_t = Float32(NEG_BIG)
+        d_t = Float32(0.0)
+        for k in cutlass.range(n_full, unroll=1):
+            m_s, d_s = online_softmax_step(m_s, d_s, student.load(k, keep=True) * to_base2)
+            m_t, d_t = online_softmax_step(m_t, d_t, teacher.load(k, keep=True) * to_base2)
+        if tail:
+            pred = student.predicate(n_full)
+            mask = student.element_mask(pred)
+            s2 = student.load(n_full, pred, keep=True) * to_base2
+            t2 = teacher.load(n_full, pred, keep=True) * to_base2
+            m_s, d_s = online_softmax_step(m_s, d_s, cute.where(mask, s2, -Float32.inf))
+            m_t, d_t = online_softmax_step(m_t, d_t, cute.where(mask, t2, -Float32.inf))
+        m_s, d_s = block_lse(m_s, d_s, buf, 0)
+        m_t, d_t = block_lse(m_t, d_t, buf, 2)
+        return m_s + cute.math.log2(d_s, fastmath=True), m_t + cute.math.log2(d_t, fastmath=True)
+
+    @cute.jit
+    def divergence_sums(self, student: RowTiles, teacher: RowTiles, n_full: Int32, tail: Boolean, to_base2: Float32,
+                        lse_s: Float32, lse_t: Float32, beta: Float32, keep: cutlass.Constexpr[bool],
+                        write_forward_grad: cutlass.Constexpr[bool], scale: Float32):
+        """A pass over the row under the base-2 normalizers lse_s, lse_t: this thread's parts of the loss / ln2 and,
+        for a mixture, of S / ln2 (else 0). keep: a later pass reads the row again. write_forward_grad (beta = 0):
+        also writes the gradient scale * (q - p)."""
+        acc_loss = Float32(0.0)
+        acc_s = Float32(0.0)
+        for k in cutlass.range(n_full, unroll=1):
+            lq = student.load(k, keep=keep) * to_base2 - lse_s
+            lp = teacher.load(k, keep=keep) * to_base2 - lse_t
+            term, q, aux = self.divergence(lq, lp, beta)
+            acc_loss += tile_sum(term)
+            if const_expr(write_forward_grad):
+                student.store(k, (q - aux) * scale)
+            elif const_expr(self.case == MIXTURE):
+                acc_s += tile_sum(q * aux)
+        if tail:
+            pred = student.predicate(n_full)
+            mask = student.element_mask(pred)
+            lq = student.load(n_full, pred, keep=keep) * to_base2 - lse_s
+            lp = teacher.load(n_full, pred, keep=keep) * to_base2 - lse_t
+            term, q, aux = self.divergence(lq, lp, beta)
+            acc_loss += tile_sum(cute.where(mask, term, 0.0))
+            if const_expr(write_forward_grad):
+                student.store(n_full, (q - aux) * scale, pred)
+            elif const_expr(self.case == MIXTURE):
+                acc_s += tile_sum(cute.where(mask, q * aux, 0.0))
+        return acc_loss, acc_s
+
+    @cute.jit
+    def write_grad(self, student: RowTiles, teacher: RowTiles, n_full: Int32, tail: Boolean, to_base2: Float32,
+                   lse_s: Float32, lse_t: Float32, beta: Float32, cross: Float32, coef: Float32):
+        """The gradient pass: coef * (q - p) for beta = 0, else coef * q * (diff - cross) (see divergence)."""
+        for k in cutlass.range(n_full, unroll=1):
+            lq = student.load(k) * to_base2 - lse_s
+            lp = teacher.load(k) * to_base2 - lse_t
+            student.store(k, self.grad(lq, lp, beta, cross, coef))
+        if tail:
+            pred = student.predicate(n_full)
+            lq = student.load(n_full, pred) * to_base2 - lse_s
+            lp = teacher.load(n_full, pred) * to_base2 - lse_t
+            student.store(n_full, self.grad(lq, lp, beta, cross, coef), pred)
+
+    @cute.jit
+    def grad(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32, cross: Float32, coef: Float32):
+        _, q, aux = self.divergence(lq, lp, beta)
+        if const_expr(self.case == FORWARD_KL):
+            return coef * (q - aux)
+        return coef * q * (aux - cross)
+
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mT: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
@@ -80,74 +155,26 @@ class JSDKernel:
             zero_row(student, n_full, tail)
         else:
             to_base2 = inv_temp * LOG2E
-            # Pass 1: both softmax states (padding loads as 0, masked to -inf).
-            m_s = Float32(NEG_BIG)
-            d_s = Float32(0.0)
-            m_t = Float32(NEG_BIG)
-            d_t = Float32(0.0)
-            for k in cutlass.range(n_full, unroll=1):
-                m_s, d_s = online_softmax_step(m_s, d_s, student.load(k, keep=True) * to_base2)
-                m_t, d_t = online_softmax_step(m_t, d_t, teacher.load(k, keep=True) * to_base2)
-            if tail:
-                pred = student.predicate(n_full)
-                mask = student.element_mask(pred)
-                s2 = student.load(n_full, pred, keep=True) * to_base2
-                t2 = teacher.load(n_full, pred, keep=True) * to_base2
-                m_s, d_s = online_softmax_step(m_s, d_s, cute.where(mask, s2, -Float32.inf))
-                m_t, d_t = online_softmax_step(m_t, d_t, cute.where(mask, t2, -Float32.inf))
-            m_s, d_s = block_lse(m_s, d_s, buf, 0)
-            m_t, d_t = block_lse(m_t, d_t, buf, 2)
-            lse_s = m_s + cute.math.log2(d_s, fastmath=True)
-            lse_t = m_t + cute.math.log2(d_t, fastmath=True)
+            lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, to_base2, buf)
 
             scale = inv_temp
             if const_expr(self.has_scale):
                 scale = scale * mScale[row * scale_step]
 
             # Pass 2: the loss and S; for beta = 0 also the gradient q - p (no cross-column term).
-            acc_loss = Float32(0.0)
-            acc_s = Float32(0.0)
-            again = self.case != FORWARD_KL  # pass 3 reads the row again
-            for k in cutlass.range(n_full, unroll=1):
-                lq = student.load(k, keep=again) * to_base2 - lse_s
-                lp = teacher.load(k, keep=again) * to_base2 - lse_t
-                term, q, aux = self.divergence(lq, lp, beta)
-                acc_loss += tile_sum(term)
-                if const_expr(self.case == FORWARD_KL):
-                    student.store(k, (q - aux) * scale)
-                elif const_expr(self.case == MIXTURE):
-                    acc_s += tile_sum(q * aux)
-            if tail:
-                pred = student.predicate(n_full)
-                mask = student.element_mask(pred)
-                lq = student.load(n_full, pred, keep=again) * to_base2 - lse_s
-                lp = teacher.load(n_full, pred, keep=again) * to_base2 - lse_t
-                term, q, aux = self.divergence(lq, lp, beta)
-                acc_loss += tile_sum(cute.where(mask, term, 0.0))
-                if const_expr(self.case == FORWARD_KL):
-                    student.store(n_full, (q - aux) * scale, pred)
-                elif const_expr(self.case == MIXTURE):
-                    acc_s += tile_sum(cute.where(mask, q * aux, 0.0))
+            forward = self.case == FORWARD_KL
+            acc_loss, acc_s = self.divergence_sums(student, teacher, n_full, tail, to_base2, lse_s, lse_t, beta,
+                                                   not forward, forward, scale)
             acc_loss, acc_s = block_sum((acc_loss, acc_s), buf, 4)
             loss = acc_loss * LN2
 
             # Pass 3 (beta > 0): dL/ds = c ln2 q (diff - S), c = 1 - beta (mixture) or 1 (reverse KL).
-            if const_expr(self.case != FORWARD_KL):
+            if const_expr(not forward):
                 cross = acc_loss if const_expr(self.case == REVERSE_KL) else acc_s
                 coef = scale * LN2
                 if const_expr(self.case == MIXTURE):
                     coef = coef * (1.0 - beta)
-                for k in cutlass.range(n_full, unroll=1):
-                    lq = student.load(k) * to_base2 - lse_s
-                    lp = teacher.load(k) * to_base2 - lse_t
-                    _, q, diff = self.divergence(lq, lp, beta)
-                    student.store(k, coef * q * (diff - cross))
-                if tail:
-                    pred = student.predicate(n_full)
-                    lq = student.load(n_full, pred) * to_base2 - lse_s
-                    lp = teacher.load(n_full, pred) * to_base2 - lse_t
-                    _, q, diff = self.divergence(lq, lp, beta)
-                    student.store(n_full, coef * q * (diff - cross), pred)
+                self.write_grad(student, teacher, n_full, tail, to_base2, lse_s, lse_t, beta, cross, coef)
 
         if tidx == 0:
             mLoss[row] = loss

@@ -7,7 +7,7 @@ dL/ds_j = softmax_j * Q - q_j (times 1/T and grad_scale) over the student logits
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from liger_dispatch import register_backend
 
@@ -48,6 +48,51 @@ class KLDivKernel:
         log_q = cute.math.log2(cute.where(t > eps, t, eps), fastmath=True) * LN2
         return t, t * log_q
 
+    @cute.jit
+    def statistics(self, student: RowTiles, target: RowTiles, n_full: Int32, tail: Boolean, inv_temp: Float32,
+                   eps: Float32, buf: cute.Tensor):
+        """Pass 1 over the row, CTA-wide (slots 0-4 of buf): the base-2 log-sum-exp of s = student / T, A, B, Q.
+
+        Loads evict-last; padding has q = 0, s = 0."""
+        m = Float32(NEG_BIG)
+        d = Float32(0.0)
+        acc_qlogq = Float32(0.0)
+        acc_qs = Float32(0.0)
+        acc_q = Float32(0.0)
+        for k in cutlass.range(n_full, unroll=1):
+            s = student.load(k, keep=True) * inv_temp
+            q, q_log_q = self.target(target.load(k, keep=True), eps)
+            m, d = online_softmax_step(m, d, s * LOG2E)
+            acc_qlogq += tile_sum(q_log_q)
+            acc_qs += tile_sum(q * s)
+            acc_q += tile_sum(q)
+        if tail:
+            pred = student.predicate(n_full)
+            s = student.load(n_full, pred, keep=True) * inv_temp
+            q, q_log_q = self.target(target.load(n_full, pred, self.target_fill, keep=True), eps)
+            m, d = online_softmax_step(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
+            acc_qlogq += tile_sum(q_log_q)
+            acc_qs += tile_sum(q * s)
+            acc_q += tile_sum(q)
+        m, d = block_lse(m, d, buf, 0)
+        acc_qlogq, acc_qs, acc_q = block_sum((acc_qlogq, acc_qs, acc_q), buf, 2)
+        return m + cute.math.log2(d, fastmath=True), acc_qlogq, acc_qs, acc_q
+
+    @cute.jit
+    def write_grad(self, student: RowTiles, target: RowTiles, n_full: Int32, tail: Boolean, inv_temp: Float32,
+                   eps: Float32, lse2: Float32, p_coef: Float32, scale: Float32):
+        """The gradient pass: p_coef * softmax_j - scale * q_j over the row, softmax under the base-2 lse2."""
+        to_base2 = inv_temp * LOG2E
+        for k in cutlass.range(n_full, unroll=1):
+            q, _ = self.target(target.load(k), eps)
+            p = cute.math.exp2(student.load(k) * to_base2 - lse2, fastmath=True)
+            student.store(k, p_coef * p - scale * q)
+        if tail:
+            pred = student.predicate(n_full)
+            q, _ = self.target(target.load(n_full, pred, self.target_fill), eps)
+            p = cute.math.exp2(student.load(n_full, pred) * to_base2 - lse2, fastmath=True)
+            student.store(n_full, p_coef * p - scale * q, pred)
+
     @cute.kernel
     def kernel(self, mS: cute.Tensor, mTarget: cute.Tensor, mLabels: cute.Tensor | None, mLoss: cute.Tensor,
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
@@ -64,47 +109,14 @@ class KLDivKernel:
         if not valid:
             zero_row(student, n_full, tail)
         else:
-            # Pass 1: softmax state of s = student / T (base 2), and A, B, Q (padding has q = 0, s = 0).
-            m = Float32(NEG_BIG)
-            d = Float32(0.0)
-            acc_qlogq = Float32(0.0)
-            acc_qs = Float32(0.0)
-            acc_q = Float32(0.0)
-            for k in cutlass.range(n_full, unroll=1):
-                s = student.load(k, keep=True) * inv_temp
-                q, q_log_q = self.target(target.load(k, keep=True), eps)
-                m, d = online_softmax_step(m, d, s * LOG2E)
-                acc_qlogq += tile_sum(q_log_q)
-                acc_qs += tile_sum(q * s)
-                acc_q += tile_sum(q)
-            if tail:
-                pred = student.predicate(n_full)
-                s = student.load(n_full, pred, keep=True) * inv_temp
-                q, q_log_q = self.target(target.load(n_full, pred, self.target_fill, keep=True), eps)
-                m, d = online_softmax_step(m, d, cute.where(student.element_mask(pred), s * LOG2E, -Float32.inf))
-                acc_qlogq += tile_sum(q_log_q)
-                acc_qs += tile_sum(q * s)
-                acc_q += tile_sum(q)
-            m, d = block_lse(m, d, buf, 0)
-            acc_qlogq, acc_qs, acc_q = block_sum((acc_qlogq, acc_qs, acc_q), buf, 2)
-            lse2 = m + cute.math.log2(d, fastmath=True)
+            lse2, acc_qlogq, acc_qs, acc_q = self.statistics(student, target, n_full, tail, inv_temp, eps, buf)
             loss = acc_qlogq - acc_qs + lse2 * LN2 * acc_q
 
             # Pass 2: dL/ds_j = softmax_j * Q - q_j, times 1/T and grad_scale.
             scale = inv_temp
             if const_expr(self.has_scale):
                 scale = scale * mScale[row * scale_step]
-            p_coef = scale * acc_q
-            to_base2 = inv_temp * LOG2E
-            for k in cutlass.range(n_full, unroll=1):
-                q, _ = self.target(target.load(k), eps)
-                p = cute.math.exp2(student.load(k) * to_base2 - lse2, fastmath=True)
-                student.store(k, p_coef * p - scale * q)
-            if tail:
-                pred = student.predicate(n_full)
-                q, _ = self.target(target.load(n_full, pred, self.target_fill), eps)
-                p = cute.math.exp2(student.load(n_full, pred) * to_base2 - lse2, fastmath=True)
-                student.store(n_full, p_coef * p - scale * q, pred)
+            self.write_grad(student, target, n_full, tail, inv_temp, eps, lse2, scale * acc_q, scale)
 
         if tidx == 0:
             mLoss[row] = loss
