@@ -97,7 +97,7 @@ def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dic
     fn = impl.fn
     if spec.level == "kernel":
         return fn(*args, **kwargs)
-    fn = vocab_parallel.serving(impl, a)
+    fn = vocab_parallel.serving(impl, a, pinned)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
         positional, options = spec.schema.call_args(a)
@@ -194,7 +194,7 @@ def _define_loss(spec: OpSpec) -> None:
     def impl(*args, **kwargs):
         a, pinned, extra = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
-        fn = vocab_parallel.serving(selection.select(spec.name, pinned, positional, options), a)
+        fn = vocab_parallel.serving(selection.select(spec.name, pinned, positional, options), a, pinned)
         if spec.value_check is not None:
             spec.value_check(a)
         loss, *grads = fn(*positional, **options, **extra)

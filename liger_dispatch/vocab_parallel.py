@@ -17,7 +17,7 @@ buffer exists anywhere. Collectives of one call:
 
 flce with reduction="none" runs its chunks again in the backward (sizes and statistics again, then dX).
 
-Where it plugs in: the dispatcher serves a user-level call whose `process_group` is set with `serving(impl, a)`,
+Where it plugs in: the dispatcher serves a user-level call whose `process_group` is set with `serving(impl, a, pinned)`,
 the driver on the selected implementation's backend (its kernel-level vocab-parallel ops); process_group is a
 ProcessGroup, its group name (the torch op's string argument), or the VocabShard `localized` made. A weight that is
 a DTensor sharded on dim 0 over a 1-D mesh is `localized` by the handle first: the input must then be a DTensor too
@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,12 +57,13 @@ REPLICATED = {"flce": {"input": False, "target": True},
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def serving(impl, a: Args) -> Callable:
+def serving(impl, a: Args, pinned: tuple[str, ...]) -> Callable:
     """What serves a call of a user-level loss: impl.fn, or, when the call has a process_group, the vocab-parallel
-    driver on impl's backend (the compositions' signature and return contract)."""
+    driver (the compositions' signature and return contract) on the vocab-parallel kernels of impl's backend when
+    the handle pinned it, else of the backend selection picks for them (use_backend and LIGER_BACKEND hold)."""
     if getattr(a, "process_group", None) is None:
         return impl.fn
-    return functools.partial(_DRIVERS[impl.op], _Kernels(impl.backend))
+    return functools.partial(_DRIVERS[impl.op], _Kernels(impl.backend if pinned else None))
 
 
 def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
@@ -175,10 +176,10 @@ def kl_div_rows(stats: torch.Tensor) -> torch.Tensor:
 
 
 class _Kernels:
-    """The vocab-parallel kernel-level ops of the backend that serves the user-level call; for an op that backend
-    does not implement, the best one that does (auto selection, which warns only if that is the reference)."""
+    """The vocab-parallel kernel-level ops: `backend`'s where it implements one, else the one selection picks (it
+    warns only if that is the reference while a better backend exists)."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: Optional[str]):
         self.backend = backend
         self._pinned: dict[str, tuple[str, ...]] = {}
 

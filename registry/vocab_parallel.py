@@ -1,4 +1,4 @@
-"""Op specs of the vocab-parallel kernel-level ops (the contract: /work/vp_contract.md, kept in SCHEMAS).
+"""Op specs of the vocab-parallel kernel-level ops (their contract is written once, in SCHEMAS, and the docstring below).
 
 A rank holds the logits of the columns [vocab_start, vocab_start + Vl) of a vocabulary of V. A statistics pass
 returns fp32 per-row statistics over this slice; the driver (liger_dispatch/vocab_parallel.py) combines them

@@ -21,9 +21,13 @@ from .._launch import LaunchKnobs
 from .._vp_rows import row_stats
 from . import _row, ce, jsd, kl_div
 from ._row import FLT_MIN, LN2, LOG2E, RowTiles, block_sum, zero_row
-from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
+from ._support import (CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, beta_case
+
+# After triton (20), before helion (30): these kernels compile for sm_90a and pass TVM-FFI's argument checks on the
+# CPU but have not run on a GPU yet, so auto selection takes Triton's; backend="cutedsl" or LIGER_BACKEND picks them.
+VP_PRIORITY = 25
 
 # the row-kernel knobs of each family's vocab-parallel kernels, by default those of its single-vocabulary kernel
 CE_LAUNCH = LaunchKnobs("cutedsl ce vocab-parallel ops", ce.LAUNCH.default)
@@ -365,7 +369,7 @@ def _label_dtype(labels):
     return None if labels is None else labels.dtype
 
 
-@register_backend("ce_vp_stats", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("ce_vp_stats", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
     """[C, 3] fp32 per row of this slice: (lse, z_target where this slice owns the target else 0, sum z)."""
     stats, C, V = row_stats(logits, 3, target, ignore_index, lse_columns=(0,))
@@ -376,7 +380,7 @@ def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=Non
     return stats
 
 
-@register_backend("ce_vp_grad", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("ce_vp_grad", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
                label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
     """Overwrites this slice's logits with grad_scale * dloss/dlogits under the global lse [C]."""
@@ -393,7 +397,7 @@ def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=N
         float(lse_square_scale), 1.0 if softcap is None else float(softcap))
 
 
-@register_backend("jsd_vp_stats", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("jsd_vp_stats", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-100, temperature=1.0):
     """[C, 2] fp32 per row of this slice: lse of student / T and of teacher / T."""
     stats, C, V = row_stats(student_logits, 2, labels, ignore_index, lse_columns=(0, 1))
@@ -405,7 +409,7 @@ def jsd_vp_stats(student_logits, teacher_logits, labels=None, *, ignore_index=-1
     return stats
 
 
-@register_backend("jsd_vp_sums", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("jsd_vp_sums", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0):
     """[C, 2] fp32 per row: this slice's part of the row loss and of S, under the global lse [C, 2]."""
     sums, C, V = row_stats(student_logits, 2)
@@ -419,7 +423,7 @@ def jsd_vp_sums(student_logits, teacher_logits, lse, labels=None, *, beta=0.5, i
     return sums
 
 
-@register_backend("jsd_vp_grad", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("jsd_vp_grad", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=0.5, ignore_index=-100,
                 temperature=1.0, grad_scale=None):
     """Overwrites this slice's student logits with grad_scale * dloss/dlogits under the global lse and sums."""
@@ -435,7 +439,7 @@ def jsd_vp_grad(student_logits, teacher_logits, lse, sums, labels=None, *, beta=
         1.0 / float(temperature))
 
 
-@register_backend("kl_div_vp_stats", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("kl_div_vp_stats", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
                     log_target=False):
     """[C, 4] fp32 per row of this slice: (lse of s = student / T, sum q, sum q log q, sum q s)."""
@@ -449,7 +453,7 @@ def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, t
     return stats
 
 
-@register_backend("kl_div_vp_grad", backend="cutedsl", priority=PRIORITY, capability=CAPABILITY)
+@register_backend("kl_div_vp_grad", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
 def kl_div_vp_grad(student_logits, target, lse, target_sum, labels=None, *, ignore_index=-100, temperature=1.0,
                    log_target=False, grad_scale=None):
     """Overwrites this slice's student logits with grad_scale / T * (softmax_j * target_sum - q_j)."""
