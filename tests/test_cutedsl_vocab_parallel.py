@@ -29,7 +29,7 @@ COMPILE_CACHES = ("_ce_stats", "_ce_grad", "_jsd_stats", "_jsd_sums", "_jsd_grad
 def test_registered_for_every_op_with_one_capability():
     for op in SCHEMAS:
         impl = cutedsl_impl(op)
-        assert impl.fn is getattr(vp, op) and impl.priority == _support.PRIORITY and impl.capability == vp.CAPABILITY
+        assert impl.fn is getattr(vp, op) and impl.priority == vp.VP_PRIORITY and impl.capability == vp.CAPABILITY
 
 
 def test_capability_judges_the_slice_and_its_index_tensor_wherever_it_is_passed():
