@@ -3,7 +3,8 @@
 Per chunk of rows: logits = x_c @ W.T (+ bias) by cuBLAS into one reused buffer; the backend's
 kernel-level op turns that buffer into d(loss)/d(logits) in place and returns the per-row loss;
 then dX_c = G @ W and dW += G.T @ x_c (addmm in place). The gradient is produced in the forward pass
-for scalar reductions; reduction="none" recomputes in the backward with the per-row grad_output.
+for scalar reductions; for reduction="none" the backward runs the loop again with the per-row grad_output
+as row_weights (the gradient of sum_i w_i loss_i).
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
