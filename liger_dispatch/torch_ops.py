@@ -41,8 +41,8 @@ def _row_losses(a: Args) -> bool:
 def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
     if not torch.is_grad_enabled():
         return ()
-    values = a.__dict__
-    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in map(values.__getitem__, spec.differentiable))
+    # getattr, not a.__dict__: this also runs while torch.compile traces, and torch 2.11's Dynamo cannot follow it
+    return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (getattr(a, n) for n in spec.differentiable))
 
 
 # -- eager ----------------------------------------------------------------------------------------------------------
@@ -94,9 +94,8 @@ def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dic
     impl = selection.select(spec.name, pinned, args, kwargs)
     if spec.value_check is not None:
         spec.value_check(a)
-    fn = impl.fn
     if spec.level == "kernel":
-        return fn(*args, **kwargs)
+        return impl.fn(*args, **kwargs)
     fn = vocab_parallel.serving(impl, a, pinned)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
