@@ -256,6 +256,20 @@ def test_gpu_hot_path_never_syncs():
 
 
 @pytest.mark.gpu
+def test_gpu_backward_scales_by_grad_loss():
+    """grad_loss != 1 takes the scale kernel's other branch (loss / accumulation steps, say)."""
+    for name, fn, make in gpu_calls():
+        if name.startswith("mhc"):
+            continue
+        args = make()
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        want = torch.autograd.grad(fn(*args), leaves)
+        got = torch.autograd.grad(fn(*args) * 0.37, leaves)
+        for g, w in zip(got, want):
+            assert_rel_close(name, g.float(), w.float() * 0.37, 1e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_compile_fullgraph_every_op_and_backend():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
