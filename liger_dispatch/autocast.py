@@ -8,14 +8,9 @@ math is written for the dtypes they are given.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from liger_dispatch.schema import Args
-
-_NOTHING = contextlib.nullcontext()
-
 
 def _device_type(spec, a: Args) -> str:
     return getattr(a, spec.autocast[0]).device.type
@@ -33,7 +28,7 @@ def active(spec, a: Args) -> bool:
 def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
     """The call with its linear operands in the autocast dtype: (bound arguments, positional, keyword)."""
     dtype = torch.get_autocast_dtype(_device_type(spec, a))
-    values = vars(a).copy()
+    values = {name: getattr(a, name) for name in spec.schema.names}  # getattr: torch.compile traces this
     for name in spec.autocast:
         value = values[name]
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -43,8 +38,6 @@ def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
 
 
 def disabled(a: Args):
-    """A context that turns autocast off for the implementation, when it is on."""
-    if not enabled():
-        return _NOTHING
+    """A context that turns autocast off for the implementation (called when it is on)."""
     device_type = next(v.device.type for v in vars(a).values() if isinstance(v, torch.Tensor))
     return torch.autocast(device_type, enabled=False)

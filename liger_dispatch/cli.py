@@ -79,6 +79,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
         usable = ld.available_backends(name, device=device, dtype=dtype)
         console.print(f"{name}: auto picks [bold]{usable[0] if usable else 'nothing'}[/bold]"
                       f" (usable, best first: {', '.join(usable) or 'none'})")
+        console.print(f"[dim]  {name}{TABLE.spec(name).schema.describe()}[/dim]", highlight=False)
     failures = {m: TABLE.module_error(m) for op in TABLE.op_names() for m in TABLE.locations(op).values()}
     for module, error in sorted((m, e) for m, e in failures.items() if e):
         console.print(f"[dim]{module}: {error}[/dim]")

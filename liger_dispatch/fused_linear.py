@@ -163,7 +163,7 @@ def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]
                                   lse_square_scale=options["lse_square_scale"])
 
 
-def _wanted(need_grads, count: int) -> list[bool]:
+def wanted_grads(need_grads, count: int) -> list[bool]:
     """need_grads as `count` flags (missing ones are False)."""
     return ([bool(w) for w in need_grads] + [False] * count)[:count]
 
@@ -176,7 +176,7 @@ def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
     def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
              softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
              row_weights=None):
-        want_dx, want_dw, want_db = _wanted(need_grads, 3)
+        want_dx, want_dw, want_db = wanted_grads(need_grads, 3)
         x = _flat(input, input.shape[-1])
         labels = _flat(target).long()
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
@@ -206,7 +206,7 @@ def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
     def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                          jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
                          accum_dtype=None, process_group=None, need_grads=()):
-        want_dx, want_dw = _wanted(need_grads, 2)
+        want_dx, want_dw = wanted_grads(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
         xt = _flat(teacher_input, teacher_input.shape[-1])
         labels = None if shift_labels is None else _flat(shift_labels).long()
@@ -241,7 +241,7 @@ def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
     def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
                             ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
                             process_group=None, need_grads=()):
-        want_dx, want_dw = _wanted(need_grads, 2)
+        want_dx, want_dw = wanted_grads(need_grads, 2)
         x = _flat(student_input, student_input.shape[-1])
         vocab = student_weight.shape[0]
         probs = _flat(target, vocab)

@@ -49,7 +49,8 @@ def _scale_cuda(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
 
 
 def _scale_cpu(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
-    grad.mul_(grad_loss.to(torch.float32)) if grad.dtype == torch.float32 else grad.copy_(grad.float() * grad_loss)
+    """The product in fp32, rounded once to the gradient's dtype, as the kernel does."""
+    grad.copy_(grad.float() * grad_loss.float())
 
 
 _LIB.impl("scale_", _scale_cuda, "CUDA")

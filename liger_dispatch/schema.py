@@ -26,7 +26,6 @@ class Param:
     type: str  # torch's name of the type: "Tensor", "Optional[Tensor]", "float", ...
     keyword_only: bool
     default: Any = _EMPTY
-    mutated: bool = False
 
     @property
     def is_tensor(self) -> bool:
@@ -57,8 +56,6 @@ class OpSchema:
         self.positional = tuple(p.name for p in self.params if not p.keyword_only)
         self.defaults = {p.name: p.default for p in self.params if p.default is not _EMPTY}
         self.required = tuple(p.name for p in self.params if p.default is _EMPTY)
-        self.mutated = tuple(p.name for p in self.params if p.mutated)
-        self.returns = text.rsplit("->", 1)[1].strip()
         self.signature = inspect.Signature([
             inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY if p.keyword_only
                               else inspect.Parameter.POSITIONAL_OR_KEYWORD, default=p.default)
@@ -117,8 +114,7 @@ class OpSchema:
 
 def _param(arg) -> Param:
     default = arg.default_value if arg.has_default_value() else _EMPTY
-    mutated = bool(arg.alias_info is not None and arg.alias_info.is_write)
-    return Param(arg.name, str(arg.type), arg.kwarg_only, default, mutated)
+    return Param(arg.name, str(arg.type), arg.kwarg_only, default)
 
 
 def _kind(p: inspect.Parameter) -> str:

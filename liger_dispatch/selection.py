@@ -162,9 +162,10 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
     device, dtypes = call_signature(args, kwargs)
     stack = getattr(_local, "stack", None)
-    tuned_key = tuned.lookup_key(op, device, args, kwargs)
-    key = (op, pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"), device, dtypes,
-           tuned_key, TABLE.version)
+    preferred = (pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"))
+    # the tables order auto selection only: a call with a preference skips the bucket lookup
+    tuned_key = None if any(preferred) else tuned.lookup_key(op, device, args, kwargs)
+    key = (op, *preferred, device, dtypes, tuned_key, TABLE.version)
     res = _memo.get(key)
     if res is None:
         res = resolve_static(op, pinned, device, _floating(dtypes), tuned_key)

@@ -22,6 +22,7 @@ import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch import grad_scale, selection, vocab_parallel
+from liger_dispatch.fused_linear import wanted_grads
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
 
@@ -89,14 +90,20 @@ class _WithBackward(torch.autograd.Function):
         return None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
 
 
-def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    """The eager path: select, check values, run (with autograd for user-level ops)."""
+def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
+    """What serves this call, both paths: the selected implementation (the vocab-parallel driver on it for a call
+    with a process_group), after the op's value checks."""
     impl = selection.select(spec.name, pinned, args, kwargs)
     if spec.value_check is not None:
         spec.value_check(a)
+    return impl.fn if spec.level == "kernel" else vocab_parallel.serving(impl, a, pinned)
+
+
+def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
+    """The eager path: select, check values, run (with autograd for user-level ops)."""
+    fn = _serving(spec, pinned, a, args, kwargs)
     if spec.level == "kernel":
-        return impl.fn(*args, **kwargs)
-    fn = vocab_parallel.serving(impl, a, pinned)
+        return fn(*args, **kwargs)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
         positional, options = spec.schema.call_args(a)
@@ -188,20 +195,17 @@ def _define_loss(spec: OpSpec) -> None:
 
     def outputs(a, need, loss, grads):
         return loss, *(g if g is not None and w else getattr(a, n).new_empty(0) if getattr(a, n) is not None
-                       else loss.new_empty(0) for g, w, n in zip(grads, _padded(need, count), spec.differentiable))
+                       else loss.new_empty(0) for g, w, n in zip(grads, wanted_grads(need, count), spec.differentiable))
 
     def impl(*args, **kwargs):
         a, pinned, extra = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
-        fn = vocab_parallel.serving(selection.select(spec.name, pinned, positional, options), a, pinned)
-        if spec.value_check is not None:
-            spec.value_check(a)
-        loss, *grads = fn(*positional, **options, **extra)
+        loss, *grads = _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
         return outputs(a, extra.get("need_grads", ()), loss, grads)
 
     def fake(*args, **kwargs):
         a, _, extra = _bind(spec, args, kwargs)
-        need = _padded(extra.get("need_grads", ()), count)
+        need = wanted_grads(extra.get("need_grads", ()), count)
         grads = [torch.empty_like(getattr(a, n)) if w else None for w, n in zip(need, spec.differentiable)]
         return outputs(a, need, spec.fake(a), grads)
 
@@ -239,10 +243,6 @@ def _define_loss(spec: OpSpec) -> None:
     torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
 
 
-def _padded(need, count: int) -> list[bool]:
-    return [bool(w) for w in need] + [False] * (count - len(need))
-
-
 def _define_with_backward(spec: OpSpec) -> None:
     """mhc_coeffs: (the op's outputs, then mix and rstd); its backward is a second op, `<name>_backward`."""
     backward_name = f"{spec.name}_backward"
@@ -251,7 +251,7 @@ def _define_with_backward(spec: OpSpec) -> None:
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
         positional_args, options = spec.schema.call_args(a)
-        fn = selection.select(spec.name, pinned, positional_args, options).fn
+        fn = _serving(spec, pinned, a, positional_args, options)
         return _unaliased(fn(*positional_args, **options), positional_args)
 
     def fake(*args, **kwargs):

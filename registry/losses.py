@@ -172,11 +172,13 @@ def probe_fused_linear_kl_div(a):
             dict(ignore_index=a.ignore_index, temperature=a.temperature, eps=a.eps, log_target=a.log_target))
 
 
-def fake_rows(a):
-    """A kernel-level loss's per-row loss: fp32 [C] (float64 for float64 logits)."""
+def fake_rows(a, *columns: int):
+    """A kernel-level op's per-row output [C, *columns], fp32 (float64 for float64 logits, as the reference
+    computes): the per-row loss, or a pass's per-row statistics."""
     logits = getattr(a, "logits", None)
     logits = a.student_logits if logits is None else logits
-    return logits.new_empty(logits.shape[0], dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits.new_empty(logits.shape[0], *columns, dtype=dtype)
 
 
 def fake_scalar_loss(a):
