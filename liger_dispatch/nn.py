@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -94,12 +93,7 @@ class LMHeadLoss(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """nn.Linear's initialization."""
-        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            torch.nn.init.uniform_(self.bias, -bound, bound)
+    reset_parameters = torch.nn.Linear.reset_parameters  # nn.Linear's initialization, on the same attributes
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, loss: Optional[torch.nn.Module] = None) -> "LMHeadLoss":
