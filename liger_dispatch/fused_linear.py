@@ -45,13 +45,20 @@ def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     return math.ceil(math.ceil(n_rows / n_chunks) / ROW_ALIGN) * ROW_ALIGN
 
 
+def grad_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the gradient of t that leaves the forward pass: fp32 for fp16 t, whose gradient of the loss
+    itself (grad_loss = 1) may exceed fp16's range where the one the backward scales by grad_loss does not
+    (autograd casts the scaled one to t's dtype); t's own dtype otherwise."""
+    return torch.float32 if t.dtype == torch.float16 else t.dtype
+
+
 class _WeightGrad:
     """dW accumulated over chunks: the first chunk writes, the next ones addmm in place."""
 
     def __init__(self, weight: torch.Tensor, accum_dtype: Optional[torch.dtype]):
         self.weight = weight
         self.dtype = accum_dtype or weight.dtype
-        self.out_dtype = weight.dtype
+        self.out_dtype = grad_dtype(weight)
         self.value: Optional[torch.Tensor] = None
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
@@ -71,8 +78,10 @@ class _WeightGrad:
 
     def result(self, unscale: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.value is None:  # no chunk ran: an empty batch
-            return torch.zeros_like(self.weight)
-        return (self.value if unscale is None else self.value * unscale).to(self.out_dtype)
+            return torch.zeros_like(self.weight, dtype=self.out_dtype)
+        if unscale is not None:  # the accumulator is fp32 then
+            self.value.mul_(unscale)
+        return self.value.to(self.out_dtype)
 
 
 def _linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -133,6 +142,8 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         loss_rows = losses[0]
     else:  # several chunks, or none (an empty batch)
         loss_rows = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float32, device=x.device)
+    if dx is not None:
+        dx = dx.to(grad_dtype(x))
     if unscale is not None:
         for grad in (dx, db):
             if grad is not None:
@@ -195,7 +206,7 @@ def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
         else:
             loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
         return (loss, None if dx is None else dx.view(input.shape), dw,
-                None if db is None else db.to(bias.dtype))
+                None if db is None else db.to(grad_dtype(bias)))
 
     return flce
 

@@ -22,7 +22,7 @@ import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch import grad_scale, selection, vocab_parallel
-from liger_dispatch.fused_linear import wanted_grads
+from liger_dispatch.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
 
@@ -206,7 +206,8 @@ def _define_loss(spec: OpSpec) -> None:
     def fake(*args, **kwargs):
         a, _, extra = _bind(spec, args, kwargs)
         need = wanted_grads(extra.get("need_grads", ()), count)
-        grads = [torch.empty_like(getattr(a, n)) if w else None for w, n in zip(need, spec.differentiable)]
+        inputs = [getattr(a, n) for n in spec.differentiable]
+        grads = [torch.empty_like(t, dtype=grad_dtype(t)) if w else None for w, t in zip(need, inputs)]
         return outputs(a, need, spec.fake(a), grads)
 
     where = [spec.schema.positional.index(n) for n in spec.differentiable]  # each one's place among the inputs

@@ -322,6 +322,32 @@ def fp16_adversarial_cases():
             for case, (op, _, _) in FP16_ADVERSARIAL.items() for p in cases((op,), (torch.float16,))]
 
 
+@pytest.mark.parametrize("op,backend,dtype", cases(dtypes=(torch.float16,)))
+def test_fp16_gradients_of_the_loss_beyond_fp16_are_scaled_first(op, backend, dtype):
+    """Eight rows of activations ~8000 (CE and KL: all pushing one vocabulary row; JSD: reverse KL from a teacher
+    with log-probabilities down to ~-500): d loss / dW passes fp16's 65504 while the gradient after the upstream
+    0.25 does not. It must come back finite and right, as plain autograd gives it (the upstream scales before the
+    GEMM): the forward may not round the gradient of the loss itself to fp16."""
+    if op == "mhc_coeffs":
+        pytest.skip("mhc_coeffs computes its gradients in the backward, already scaled")
+    rows, hidden, vocab = 8, 16, 131
+    x = torch.rand(rows, hidden, device=DEVICE).add_(0.5).mul_(8000.0).to(dtype)
+    w = randn(vocab, hidden, dtype=dtype, scale=1e-4)
+    if op == "flce":
+        target = torch.full((rows,), 3, device=DEVICE)
+        inputs, grads = dict(input=x, weight=w, target=target), ("input", "weight")
+    elif op == "fused_linear_jsd":
+        inputs = dict(student_input=x, student_weight=w, teacher_input=randn(rows, hidden, dtype=dtype),
+                      teacher_weight=randn(vocab, hidden, dtype=dtype, scale=32.0))
+        grads = ("student_input", "student_weight")
+    else:
+        target = torch.zeros(rows, vocab, device=DEVICE).index_fill_(1, torch.tensor([3], device=DEVICE), 1.0)
+        inputs = dict(student_input=x, student_weight=w, target=target.to(dtype))
+        grads = ("student_input", "student_weight")
+    options = dict(jsd_beta=1.0) if op == "fused_linear_jsd" else dict(reduction="sum")  # JSD: a mean
+    run_and_compare(op, backend, dtype, inputs, options, grads, upstream=0.25)
+
+
 @pytest.mark.parametrize("op,backend,dtype,case", fp16_adversarial_cases())
 def test_fp16_gradients_never_overflow(op, backend, dtype, case):
     """fp16 buffers hold the gradient scaled up (see grad_bounds.py): inputs whose per-logit gradients are far

@@ -222,7 +222,7 @@ def test_opcheck(backend):
          dict(vocab_start=5, vocab_size=V + 10, grad_scale=scale, label_smoothing=0.1)),
         ("jsd_vp_stats", (x, teacher, lab), dict(temperature=2.0)),
         ("jsd_vp_sums", (x, teacher, jsd_lse, lab), dict(beta=0.3)),
-        ("jsd_vp_grad", (x.clone(), teacher, jsd_lse, torch.rand(C, 2), lab), dict(beta=0.3, grad_scale=scale)),
+        ("jsd_vp_grad", (x.clone(), teacher, jsd_lse, torch.rand(C, 2, device=DEVICE), lab), dict(beta=0.3, grad_scale=scale)),
         ("kl_div_vp_stats", (x, probs, lab), dict(eps=1e-8)),
         ("kl_div_vp_grad", (x.clone(), probs, kl[:, 0].contiguous(), kl[:, 1].contiguous(), lab), dict(grad_scale=scale)),
     ]
