@@ -1,4 +1,8 @@
-"""The class-index check of a loss's labels on the device: four launches, no host sync, capturable.
+"""The class-index check of a loss's labels on the device: no host sync, capturable.
+
+On a GPU it is one Triton launch whose programs each test a block of labels and stop the device on a bad one
+(`tl.device_assert`, compiled in through the kernel's debug flag), as torch's own cross-entropy kernels do. Without
+Triton it falls back to torch ops:
 
 Each label must be ignore_index or in [0, V). With the sorted edges [ignore_index, ignore_index + 1, 0, V]
 (just [0, V] when ignore_index is in range), the number of edges <= t (`bucketize(..., right=True)`) is odd
@@ -9,6 +13,8 @@ the message are kept per (name, device, V, ignore_index).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -42,8 +48,41 @@ def _check_for(name: str, device: torch.device, vocab: int, ignore_index: int) -
     return check
 
 
+_BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The Triton check kernel, or None where Triton does not import."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(debug=True)  # tl.device_assert is compiled in only in debug mode
+    def check_kernel(T, n, vocab, ignore_index, MESSAGE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        t = tl.load(T + offs, mask=offs < n, other=0).to(tl.int64)
+        tl.device_assert((t == ignore_index) | ((t >= 0) & (t < vocab)), MESSAGE)
+
+    return check_kernel
+
+
+def launch_check(kernel, name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """The Triton check of a 1-D contiguous target (the interpreters run it on CPU tensors)."""
+    n = target.numel()
+    if n:
+        message = f"{name} holds a class index outside [0, V) that is not ignore_index; LIGER_CHECKS=full names it"
+        kernel[(-(-n // _BLOCK),)](target, n, vocab, ignore_index, MESSAGE=message, BLOCK=_BLOCK, num_warps=4)
+
+
 def assert_class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """A device-side assert that every entry of target is in [0, vocab) or ignore_index."""
+    kernel = _kernel() if target.is_cuda else None
+    if kernel is not None:
+        launch_check(kernel, name, target.reshape(-1), vocab, ignore_index)
+        return
     bounds, message = _check_for(name, target.device, vocab, ignore_index)
     buckets = torch.bucketize(target, bounds, right=True, out_int32=True)
     torch._assert_async(buckets.bitwise_and_(1).all(), message)

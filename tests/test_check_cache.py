@@ -2,6 +2,7 @@
 call that differs from a passing one in one attribute (dtype, device, shape, strides, an option's value or type)
 is checked again. The class-index check on the device: valid exactly where the host check is."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import torch
 from liger_dispatch import check_cache, dispatch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
+from liger_dispatch.registry import device_labels
 from liger_dispatch.registry.device_labels import assert_class_indices
 from liger_dispatch.schema import OpSchema
 
@@ -152,6 +154,28 @@ def test_device_class_index_check_accepts_exactly_the_valid_labels(dtype, ignore
         else:
             with pytest.raises(RuntimeError, match=rf"target holds a class index outside \[0, {V}\)"):
                 assert_class_indices("target", target, V, ignore_index)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+@pytest.mark.parametrize("ignore_index", [-100, 0, V, V + 2])
+def test_triton_class_index_check_accepts_exactly_the_valid_labels(dtype, ignore_index, monkeypatch):
+    """The one-launch Triton check the GPU runs, in the interpreter on CPU tensors, against the rule (the
+    interpreter ignores a kernel's debug flag, which compiles the assert in on the GPU: it is set here)."""
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError
+
+    options = interpreter.interpreter_builder.options
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(options, debug=True))
+    kernel = device_labels._kernel()
+    for value in (-101, -100, -1, 0, 1, V - 1, V, V + 1, V + 2):
+        if dtype == torch.uint8 and value < 0:
+            continue
+        target = torch.tensor([0, value, V - 1] * 700, dtype=dtype)  # more than one program's block
+        if value == ignore_index or 0 <= value < V:
+            device_labels.launch_check(kernel, "target", target, V, ignore_index)
+        else:
+            with pytest.raises(InterpreterError, match=r"target holds a class index outside \[0, V\)"):
+                device_labels.launch_check(kernel, "target", target, V, ignore_index)
 
 
 def test_host_class_index_check_names_the_value():
