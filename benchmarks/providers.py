@@ -17,12 +17,14 @@ from benchmarks.shapes import MODEL_OPS, Case
 EAGER = "torch"
 COMPILED = "torch.compile"
 REFERENCE = "reference"
+# Our auto selection in eager code, as a user calls it (the tuned table, then static priority, picks per call).
+OURS_AUTO = "ours"
 # Our auto selection called from code that torch.compile compiles (fullgraph), and the same under
 # mode="reduce-overhead" (CUDA graphs): the ops inside a compiled training step.
 OURS_COMPILED = "ours:compile"
 OURS_GRAPHED = "ours:cudagraphs"
 _OURS_TRACED = {OURS_COMPILED: "default", OURS_GRAPHED: "reduce-overhead"}
-_NOT_OURS = {EAGER, COMPILED, *_OURS_TRACED, *peers.PEERS}
+_NOT_OURS = {EAGER, COMPILED, OURS_AUTO, *_OURS_TRACED, *peers.PEERS}
 # Arguments whose first dimension is N: kept dynamic so one compilation serves the whole N sweep.
 _ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3)}
 
@@ -103,7 +105,7 @@ class _OursTraced:
         return fn
 
 
-def _dispatched(backend: str) -> Callable[[Case], Callable]:
+def _dispatched(backend: Optional[str]) -> Callable[[Case], Callable]:
     def build(case: Case) -> Callable:
         from liger_dispatch import dispatch
 
@@ -151,6 +153,8 @@ def resolve(op: str, device: torch.device, dtype: torch.dtype,
         if requested is None or backend in requested:
             skipped.append((backend, f"not available: {reason}"))
     chosen += [Provider(EAGER, _eager), Provider(COMPILED, _Compiled())]
+    if requested is not None and OURS_AUTO in requested:
+        chosen.append(Provider(OURS_AUTO, _dispatched(None), "auto selection"))
     if device.type == "cuda":
         chosen += [Provider(name, _OursTraced(mode), f"auto selection, torch.compile mode={mode}")
                    for name, mode in _OURS_TRACED.items()]

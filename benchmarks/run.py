@@ -46,8 +46,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--n", nargs="+", type=int, help="N sweep of the LM-head ops (default: the preset's)")
     p.add_argument("--tc", nargs="+", type=shapes.parse_tc, help="TxC points of mhc_coeffs, e.g. 512x1024")
     p.add_argument("--dtypes", nargs="+", default=["bf16"], help=f"any of {', '.join(shapes.DTYPES)}")
-    p.add_argument("--providers", nargs="+", help="our backends by name (reference too), torch, torch.compile, "
-                   "liger-kernel, cut-cross-entropy, quack (default: all that can run, but the reference)")
+    p.add_argument("--providers", nargs="+", help="our backends by name (reference too), ours (auto selection), "
+                   "ours:compile, ours:cudagraphs, torch, torch.compile, liger-kernel, cut-cross-entropy, quack "
+                   "(default: all that can run, but the reference and ours)")
     p.add_argument("--mode", nargs="+", default=["fwd+bwd"], help=f"any of {', '.join(shapes.MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     p.add_argument("--warmup-ms", type=float, default=25.0)

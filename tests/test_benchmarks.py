@@ -19,7 +19,7 @@ REQUIRED = ("op", "shape", "n", "dtype", "provider", "mode", "ms", "ms_p20", "ms
 def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
     out = tmp_path / "results"
     command = [sys.executable, "-m", "benchmarks.run", "--ops", *OPS, "--shapes", "tiny", "--providers", "torch",
-               "--rep-ms", "1", "--warmup-ms", "1", "--out", str(out)]
+               "ours", "--rep-ms", "1", "--warmup-ms", "1", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -30,6 +30,7 @@ def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
     assert {r["op"] for r in rows} == set(OPS)
     timed = [r for r in rows if r["op"] != "dispatch_overhead"]
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 and float(r["x_roofline"]) > 0 for r in timed), timed
+    assert {r["provider"] for r in timed} == {"torch", "ours"}  # ours: auto selection, as a user calls it
     assert all(r["command"].startswith("python -m benchmarks.run") and r["date"] for r in rows)
 
     markdown = (out / "cpu.md").read_text()
