@@ -92,6 +92,22 @@ class _WithBackward(torch.autograd.Function):
         return None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_DIRECT = {f: super(torch.autograd.Function, f).apply for f in (_GradsInForward, _RowLosses, _WithBackward)}
+
+
+def _apply(function, head: tuple, tensors: tuple):
+    """function.apply(*head, *tensors) without torch's Python wrapper (~1 us a call) where that wrapper would change
+    nothing: no functorch transform is active and no tensor is a functorch wrapper (it unwraps dead ones)."""
+    if _functorch_active():
+        return function.apply(*head, *tensors)
+    for t in tensors:
+        if t is not None and _functorch_wrapped(t):
+            return function.apply(*head, *tensors)
+    return _DIRECT[function](*head, *tensors)
+
+
 def _checked(spec: OpSpec, fallback: Optional[Callable[[], None]], a: Args) -> None:
     """What every call runs, remembered or not: its fallback's warning (or error), then the op's value checks."""
     if fallback is not None:
@@ -136,13 +152,7 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
         return lambda a, args, kwargs: fn(*args, **kwargs)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
-        grads = any(need)
-
-        def launch_with_backward(a, args, kwargs):
-            positional, options = spec.schema.call_args(a)
-            return _WithBackward.apply(fn, options, *positional) if grads else fn(*positional, **options)[:3]
-
-        return launch_with_backward
+        return _with_backward(spec, fn, a, any(need))
     if not any(need):
         return lambda a, args, kwargs: fn(*args, **kwargs)[0]
     tensors = operator.attrgetter(*spec.differentiable)  # a tuple: a user-level loss has several
@@ -152,10 +162,27 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
                 summed = {**kwargs, "reduction": "sum"}
                 return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
 
-            return _RowLosses.apply(lambda: fn(*args, **kwargs)[0], backward, *tensors(a))
+            return _apply(_RowLosses, (lambda: fn(*args, **kwargs)[0], backward), tensors(a))
 
         return launch_rows
-    return lambda a, args, kwargs: _GradsInForward.apply(lambda: fn(*args, **kwargs, need_grads=need), *tensors(a))
+    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need),),
+                                          tensors(a))
+
+
+def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
+    """launch for an op whose implementation has a backward of its own (mhc_coeffs): its options, when no tensor is
+    among them, are the same in every call of the signature, so they are read once."""
+    positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
+    fixed = spec.schema.call_args(a)[1]
+    if any(isinstance(v, torch.Tensor) for v in fixed.values()):
+        fixed = None
+
+    def launch(a, args, kwargs):
+        tensors = positional(a)
+        options = fixed if fixed is not None else spec.schema.call_args(a)[1]
+        return _apply(_WithBackward, (fn, options), tensors) if grads else fn(*tensors, **options)[:3]
+
+    return launch
 
 
 # -- torch.library ----------------------------------------------------------------------------------------------------

@@ -143,3 +143,13 @@ def test_unhashable_options_and_vocab_parallel_calls_are_not_remembered(planned)
     assert handle._plans.lookup(tuple(args.values()), dict(label_smoothing=[0.0])) == (None, None)
     assert handle._plans.remember(("key",), object(), process_group="group") is None
     assert ("key",) not in handle._plans._plans and planned == ["flce"]
+
+
+def test_under_a_functorch_transform_the_function_is_applied_as_torch_applies_it():
+    """The eager path skips autograd.Function.apply's Python wrapper only where it changes nothing: under a functorch
+    transform a call meets torch's own answer (these Functions define no setup_context)."""
+    handle, args = dispatch.op("fused_linear_kl_div", backend="reference"), kl_args()
+    handle(*args.values())
+    rest = list(args.values())[1:]
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: handle(x, *rest))(args["student_input"])
