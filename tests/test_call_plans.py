@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch, selection, torch_ops
+from liger_dispatch import dispatch, selection, settings, torch_ops
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, InputError
 from liger_dispatch.backends.reference import kl_div as reference_kl_div
 
 from test_checks import flce_args, jsd_args, kl_args, mhc_args
+from test_tuned import write_table
 
 CPU = ld.Capability(devices=("cpu",))
 
@@ -92,6 +93,22 @@ def test_use_backend_and_the_environment_are_read_on_every_call(isolated_table, 
     handle(*args.values())
     assert set(seen) == {"alpha"}
     assert len(planned) == 4  # alpha, beta (use_backend), beta, alpha (environment): a plan each
+
+
+def test_a_tuned_table_named_between_calls_reorders_auto_selection(isolated_table, tmp_path, monkeypatch, planned):
+    seen = []
+    for name in ("alpha", "beta"):
+        ld.register_backend("kl_div_loss_and_grad", backend=name, priority=100, capability=CPU)(_recording(name, seen))
+    handle, args = dispatch.op("fused_linear_kl_div"), kl_args()
+    for fastest, slowest in (("alpha", "beta"), ("beta", "alpha")):
+        entry = {"op": "fused_linear_kl_div", "dtype": "float32", "n": 8, "bucket": "v=16 target=float32",
+                 "shape": "N=5 V=13", "ms": {fastest: 1.0, slowest: 2.0}}
+        monkeypatch.setenv(settings.TUNED_TABLE.name, str(write_table(tmp_path / f"{fastest}.json", [entry])))
+        for _ in range(2):
+            del seen[:]
+            handle(*args.values())
+            assert set(seen) == {fastest}
+    assert len(planned) == 2
 
 
 def test_the_label_check_runs_on_every_call(planned):
