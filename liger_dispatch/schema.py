@@ -82,11 +82,11 @@ class OpSchema:
     def rebind(self, args: tuple, kwargs: dict) -> Args:
         """bind, unchecked, for a call passing the same argument names as one `bind` accepted (eager only: the
         values are set at once, which torch.compile may not follow)."""
-        values = dict(self.defaults)
+        a = Args.__new__(Args)
+        values = a.__dict__
+        values.update(self.defaults)
         values.update(zip(self.positional, args))
         values.update(kwargs)
-        a = Args.__new__(Args)
-        a.__dict__.update(values)
         return a
 
     def call_args(self, a: Args) -> tuple[tuple, dict]:
