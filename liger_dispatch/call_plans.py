@@ -6,7 +6,7 @@ the function that serves the call, which gradients it computes, and the fallback
 call with the same signature reuses the plan: it skips all of that but the steps that read the data or a setting
 each call, which it runs as the first call did: the value checks (a label outside [0, V): on the device, or on the
 host for CPU tensors and under LIGER_CHECKS=full) and a fallback's warning (once per reason) or, under
-LIGER_STRICT, error. That takes a dispatch call from ~20 us of host time to a few.
+LIGER_STRICT, error. A noop-backend KL handle call: 18 -> 11 us of host time on the 2-core dev box.
 
 The signature holds everything the skipped steps read:
 - each argument, positional or by keyword name: a tensor's type, shape, strides, dtype, device and requires_grad;
