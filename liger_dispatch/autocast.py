@@ -25,6 +25,11 @@ def active(spec, a: Args) -> bool:
     return enabled() and torch.is_autocast_enabled(_device_type(spec, a))
 
 
+def state(device_type: str) -> tuple[bool, torch.dtype]:
+    """Whether autocast casts a call on `device_type` tensors, and to what (part of a repeated call's signature)."""
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
 def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
     """The call with its linear operands in the autocast dtype: (bound arguments, positional, keyword)."""
     dtype = torch.get_autocast_dtype(_device_type(spec, a))

@@ -61,7 +61,9 @@ class Capability:
     dtypes: accepted dtypes of every floating-point tensor argument; None means any.
     modules: importable modules it needs.
     predicate: called with the op's arguments; returns a reason string when the call is out of
-        reach (a shape limit, say), None when it can serve. Evaluated per call, never memoized.
+        reach (a shape limit, say), None when it can serve. It must read only what a call's signature
+        holds (shapes, strides, dtypes, devices, option values: call_plans.py): a handle asks it on the
+        first call of a signature, and its repeated calls reuse the answer.
     """
 
     devices: Sequence[str] = ()

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import autocast, check_cache, discovery, selection, torch_ops, vocab_parallel
+from liger_dispatch import autocast, call_plans, check_cache, discovery, selection, torch_ops, vocab_parallel
 from liger_dispatch.capability import default_device, default_dtype
 from liger_dispatch.table import TABLE, Impl, reference_last
 
@@ -31,7 +31,7 @@ class OpHandle:
     schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
     torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel", "_plans")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
@@ -39,27 +39,42 @@ class OpHandle:
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
         self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # a DTensor weight: its local slices
+        self._plans = call_plans.Plans(self._spec, self.pinned)
 
     def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
-        a = self._spec.schema.bind(args, kwargs)
-        if self._spec.autocast and autocast.active(self._spec, a):
-            a, args, kwargs = autocast.cast(self._spec, a)
+        a, args, kwargs = self._cast(self._spec.schema.bind(args, kwargs), args, kwargs)
         if tracing:  # fake tensors, maybe symbolic sizes: the check is traced, not memoized
             self._spec.check(a)
         else:
             check_cache.check(self._spec, a)
         return a, args, kwargs
 
+    def _cast(self, a, args: tuple, kwargs: dict):
+        if self._spec.autocast and autocast.active(self._spec, a):
+            return autocast.cast(self._spec, a)
+        return a, args, kwargs
+
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs, tracing=True)[0])
+        plan, signature = self._plans.lookup(args, kwargs)
+        if plan is None:
+            return self._first_call(signature, args, kwargs)
+        a = self._spec.schema.rebind(args, kwargs)
+        if not autocast.enabled():
+            return torch_ops.replay(self._spec, plan, a, args, kwargs)
+        a, args, kwargs = self._cast(a, args, kwargs)
+        with autocast.disabled(a):
+            return torch_ops.replay(self._spec, plan, a, args, kwargs)
+
+    def _first_call(self, signature, args: tuple, kwargs: dict):
+        """The whole eager path; its plan is remembered for the next call of the same signature (call_plans.py)."""
         a, args, kwargs = self._bound(args, kwargs)
         if self._vocab_parallel:
             a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
-        if not autocast.enabled():
-            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
-        with autocast.disabled(a):
-            return torch_ops.run(self._spec, self.pinned, a, args, kwargs)
+        plan = _autocast_off(a, torch_ops.plan, self._spec, self.pinned, a, args, kwargs)
+        self._plans.remember(signature, plan, getattr(a, "process_group", None))
+        return _autocast_off(a, plan.launch, a, args, kwargs)
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""
@@ -73,6 +88,14 @@ class OpHandle:
     def __repr__(self) -> str:
         pin = f", backend={','.join(self.pinned)!r}" if self.pinned else ""
         return f"OpHandle({self.name!r}{pin})"
+
+
+def _autocast_off(a, fn, *args):
+    """fn(*args) with autocast off: the implementations' math is written for the dtypes they are given."""
+    if not autocast.enabled():
+        return fn(*args)
+    with autocast.disabled(a):
+        return fn(*args)
 
 
 _handles: dict[tuple[str, tuple[str, ...]], OpHandle] = {}

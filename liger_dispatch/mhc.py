@@ -36,7 +36,7 @@ class MHCCoeffs:
             None if grad_post is None else grad_post.reshape(m, hc),
             None if grad_res is None else grad_res.reshape(m, hc, hc),
             hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)
-        return grad_x.view(tuple(x.shape)), *grads  # a tuple: view(torch.Size) takes a slower path (~3 us)
+        return grad_x.view_as(x), *grads  # view(torch.Size) takes a slower path (~3 us), view(tuple) ~1 us more
 
 
 def _shaped(t: torch.Tensor, shape: tuple) -> torch.Tensor:

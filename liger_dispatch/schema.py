@@ -79,6 +79,16 @@ class OpSchema:
             raise TypeError(f"{self.name}() missing required argument(s): {', '.join(map(repr, missing))}")
         return Args(values)
 
+    def rebind(self, args: tuple, kwargs: dict) -> Args:
+        """bind, unchecked, for a call passing the same argument names as one `bind` accepted (eager only: the
+        values are set at once, which torch.compile may not follow)."""
+        a = Args.__new__(Args)
+        values = a.__dict__
+        values.update(self.defaults)
+        values.update(zip(self.positional, args))
+        values.update(kwargs)
+        return a
+
     def call_args(self, a: Args) -> tuple[tuple, dict]:
         """(positional, keyword) arguments that call an implementation with the bound values."""
         return (tuple(getattr(a, n) for n in self.positional),

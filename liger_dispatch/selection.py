@@ -15,7 +15,7 @@ import contextlib
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ _local = threading.local()
 _warned: set[tuple[str, str, str]] = set()
 _memo: dict[tuple, "Resolution"] = {}
 _MEMO_LIMIT = 4096
+generation = 0  # bumped by reset(): what was remembered of earlier selections (call_plans.py) starts over
 
 
 def parse_backends(value) -> tuple[str, ...]:
@@ -159,10 +160,16 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
     return Resolution(op, source, requested, tuple(order), tuple(rejected), version, entry)
 
 
+def preferences(op: str, pinned: tuple[str, ...]) -> tuple:
+    """Where a call's backend preference is read from, as read now: (pinned, use_backend's innermost,
+    LIGER_BACKEND_<OP>, LIGER_BACKEND); a memo key's part (unparsed: preference() parses the one that wins)."""
+    stack = getattr(_local, "stack", None)
+    return pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND")
+
+
 def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
     device, dtypes = call_signature(args, kwargs)
-    stack = getattr(_local, "stack", None)
-    preferred = (pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND"))
+    preferred = preferences(op, pinned)
     # the tables order auto selection only: a call with a preference skips the bucket lookup
     tuned_key = None if any(preferred) else tuned.lookup_key(op, device, args, kwargs)
     key = (op, *preferred, device, dtypes, tuned_key, TABLE.version)
@@ -179,6 +186,15 @@ def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
 
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     """The implementation that serves this call (warning or raising on fallback)."""
+    impl, fallback = selected(op, pinned, args, kwargs)
+    if fallback is not None:
+        fallback()
+    return impl
+
+
+def selected(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Impl, Optional[Callable[[], None]]]:
+    """The implementation that serves this call, and, when it is a fallback, what warns about it (once per reason)
+    or raises under LIGER_STRICT: not called yet, so that a repeated call can replay it (call_plans.py)."""
     res = _resolution(op, pinned, args, kwargs)
     late: list[Rejection] = []
     chosen = None
@@ -192,8 +208,8 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     if chosen is None:
         raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe([*res.rejected, *late]))
     if _is_fallback(res, chosen, late):
-        _fallback(res, chosen, [*res.rejected, *late])
-    return chosen
+        return chosen, functools.partial(_fallback, res, chosen, [*res.rejected, *late])
+    return chosen, None
 
 
 def _judged(chain: Sequence[Impl], args, kwargs):
@@ -239,9 +255,11 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
 
 def reset() -> None:
     """Forget memoized resolutions and emitted warnings (tests, or after changing the environment)."""
+    global generation
     _memo.clear()
     _warned.clear()
     tuned.reset()
+    generation += 1
 
 
 def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:

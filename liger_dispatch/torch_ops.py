@@ -16,12 +16,14 @@ three coefficients, for its backward.
 
 from __future__ import annotations
 
-from typing import Optional
+import operator
+from typing import Callable, Optional
 
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch import grad_scale, selection, vocab_parallel
+from liger_dispatch.call_plans import Plan
 from liger_dispatch.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.schema import Args
 from liger_dispatch.table import TABLE, OpSpec
@@ -90,36 +92,97 @@ class _WithBackward(torch.autograd.Function):
         return None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
 
 
-def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    """What serves this call, both paths: the selected implementation (the vocab-parallel driver on it for a call
-    with a process_group), after the op's value checks."""
-    impl = selection.select(spec.name, pinned, args, kwargs)
+_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_DIRECT = {f: super(torch.autograd.Function, f).apply for f in (_GradsInForward, _RowLosses, _WithBackward)}
+
+
+def _apply(function, head: tuple, tensors: tuple):
+    """function.apply(*head, *tensors) without torch's Python wrapper (~1 us a call) where that wrapper would change
+    nothing: no functorch transform is active and no tensor is a functorch wrapper (it unwraps dead ones)."""
+    if _functorch_active():
+        return function.apply(*head, *tensors)
+    for t in tensors:
+        if t is not None and _functorch_wrapped(t):
+            return function.apply(*head, *tensors)
+    return _DIRECT[function](*head, *tensors)
+
+
+def _checked(spec: OpSpec, fallback: Optional[Callable[[], None]], a: Args) -> None:
+    """What every call runs, remembered or not: its fallback's warning (or error), then the op's value checks."""
+    if fallback is not None:
+        fallback()
     if spec.value_check is not None:
         spec.value_check(a)
-    return impl.fn if spec.level == "kernel" else vocab_parallel.serving(impl, a, pinned)
+
+
+def _selected(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
+    """(what serves this call, its fallback warning or None), both paths: the selected implementation (the
+    vocab-parallel driver on it for a call with a process_group), after the op's value checks."""
+    impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
+    _checked(spec, fallback, a)
+    return (impl.fn if spec.level == "kernel" else vocab_parallel.serving(impl, a, pinned)), fallback
+
+
+def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
+    return _selected(spec, pinned, a, args, kwargs)[0]
+
+
+def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
+    """The eager path's first half: select and check values; what calls of this one's signature run."""
+    fn, fallback = _selected(spec, pinned, a, args, kwargs)
+    return Plan(_launcher(spec, fn, a), fallback)
+
+
+def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
+    """A call of a signature planned before: its fallback warning and value checks, then the plan."""
+    _checked(spec, plan.fallback, a)
+    return plan.launch(a, args, kwargs)
 
 
 def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
     """The eager path: select, check values, run (with autograd for user-level ops)."""
-    fn = _serving(spec, pinned, a, args, kwargs)
+    return plan(spec, pinned, a, args, kwargs).launch(a, args, kwargs)
+
+
+def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dict], object]:
+    """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function:
+    all fixed by the signature), decided once."""
     if spec.level == "kernel":
-        return fn(*args, **kwargs)
+        return lambda a, args, kwargs: fn(*args, **kwargs)
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
-        positional, options = spec.schema.call_args(a)
-        if not any(need):
-            return fn(*positional, **options)[:3]
-        return _WithBackward.apply(fn, options, *positional)
+        return _with_backward(spec, fn, a, any(need))
     if not any(need):
-        return fn(*args, **kwargs)[0]
-    tensors = [getattr(a, n) for n in spec.differentiable]
+        return lambda a, args, kwargs: fn(*args, **kwargs)[0]
+    tensors = operator.attrgetter(*spec.differentiable)  # a tuple: a user-level loss has several
     if _row_losses(a):
-        def backward(grad_rows, needs):
-            summed = {**kwargs, "reduction": "sum"}
-            return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
+        def launch_rows(a, args, kwargs):
+            def backward(grad_rows, needs):
+                summed = {**kwargs, "reduction": "sum"}
+                return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
 
-        return _RowLosses.apply(lambda: fn(*args, **kwargs)[0], backward, *tensors)
-    return _GradsInForward.apply(lambda: fn(*args, **kwargs, need_grads=need), *tensors)
+            return _apply(_RowLosses, (lambda: fn(*args, **kwargs)[0], backward), tensors(a))
+
+        return launch_rows
+    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need),),
+                                          tensors(a))
+
+
+def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
+    """launch for an op whose implementation has a backward of its own (mhc_coeffs): its options, when no tensor is
+    among them, are the same in every call of the signature, so they are read once."""
+    positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
+    fixed = spec.schema.call_args(a)[1]
+    if any(isinstance(v, torch.Tensor) for v in fixed.values()):
+        fixed = None
+
+    def launch(a, args, kwargs):
+        tensors = positional(a)
+        options = fixed if fixed is not None else spec.schema.call_args(a)[1]
+        return _apply(_WithBackward, (fn, options), tensors) if grads else fn(*tensors, **options)[:3]
+
+    return launch
 
 
 # -- torch.library ----------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import dispatch, settings, tuned
+from liger_dispatch import dispatch, selection, settings, tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import FallbackWarning
 from liger_dispatch.table import REFERENCE
@@ -258,7 +258,7 @@ def run(args, device: str, dtype: torch.dtype) -> int:
         timespec="seconds"), "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
         "entries": merged(out, key, entries, log)}
     out.write_text(tuned.dumps(table))
-    tuned.reset()
+    selection.reset()  # the tables read, and the selections and handles' plans made from them
     log(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")
     return 0
 
