@@ -9,7 +9,9 @@ os.pathsep), whose entries win over the committed ones.
 
 Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
 the backends the entry measured go first, fastest first, then the others in priority order, the reference
-last. A backend whose shape predicate turns a call down still yields to the next one.
+last. Backends measured within TIE of the fastest count as tied and keep their priority order: a smaller
+difference is within what one point varies between runs on the H200 (1-5 %), not evidence. A backend whose
+shape predicate turns a call down still yields to the next one.
 
 Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and per op
 the sizes and options that change which kernel wins:
@@ -42,6 +44,7 @@ from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
 FORMAT = 1
+TIE = 0.02  # measured times within 2 % of the fastest rank as equal
 PACKAGED = Path(__file__).with_name("tuned_tables")
 LIBRARIES = ("torch", "triton", "helion", "nvidia-cutlass-dsl")
 
@@ -152,6 +155,11 @@ class Entry:
     @property
     def fastest(self) -> str:
         return self.ms[0][0]
+
+    def ranks(self) -> dict[str, int]:
+        """Each measured backend's place, fastest 0; those within TIE of the fastest share place 0."""
+        best = self.ms[0][1]
+        return {b: 0 if t <= best * (1.0 + TIE) else i for i, (b, t) in enumerate(self.ms)}
 
     def describe(self) -> str:
         times = ", ".join(f"{b} {t:.3g} ms" for b, t in self.ms)
@@ -274,12 +282,12 @@ def choice(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key) ->
 
 def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item
                    ) -> tuple[list, Optional[Entry]]:
-    """(items, already in static order, with the backends `entry` measured first, fastest first; the entry), or
-    (items, None) when there is no entry or it was measured without a backend that can serve here: its ranking
-    says nothing about that one."""
+    """(items, already in static order, with the backends `entry` measured first, fastest first, ties within TIE
+    in static order; the entry), or (items, None) when there is no entry or it was measured without a backend
+    that can serve here: its ranking says nothing about that one."""
     if entry is None or any(backend(item) in entry.unavailable for item in items):
         return items, None
-    rank = {b: i for i, (b, _) in enumerate(entry.ms)}
+    rank = entry.ranks()
     return sorted(items, key=lambda item: rank.get(backend(item), len(rank))), entry  # stable: static order otherwise
 
 
@@ -289,7 +297,9 @@ def explain(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key, e
     lines = [f"  tuned tables ignored here: {why}" for why in tables.ignored]
     unapplied = choice(op, device, dtypes, key) if entry is None else None
     if entry is not None:
-        lines.insert(0, f"  tuned: {entry.fastest} is fastest in {entry.source} entry {entry.describe()}")
+        tied = [b for b, r in entry.ranks().items() if r == 0]
+        ties = f" (within {TIE:.0%}: {', '.join(tied)}, in priority order)" if len(tied) > 1 else ""
+        lines.insert(0, f"  tuned: {entry.fastest} is fastest{ties} in {entry.source} entry {entry.describe()}")
     elif unapplied is not None:
         lines.insert(0, f"  tuned: {unapplied.source} entry {unapplied.describe()} was measured without "
                         f"{', '.join(unapplied.unavailable)}: static priority decides")

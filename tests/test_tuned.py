@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import cli, dispatch, settings, tuned
+from liger_dispatch import cli, dispatch, selection, settings, tuned
 
 H, V = 16, 40
 
@@ -51,6 +51,16 @@ def test_entry_reorders_its_bucket_and_the_adjacent_one_only(table):
     assert dispatch.op("flce").select(torch.randn(16, H), torch.randn(200, H), torch.randint(0, 200, (16,))).backend \
         == "triton"  # another V bucket
     assert dispatch.op("flce").select(*flce_call(16), softcap=30.0).backend == "triton"  # another option bucket
+
+
+def test_a_measured_difference_within_the_tie_margin_keeps_static_priority(table):
+    near = dict(helion_first(), ms={"triton": 1.0 + tuned.TIE / 2, "helion": 1.0})
+    write_table(table, [near])
+    assert auto_backend(16) == "triton"  # helion is faster by less than TIE: priority decides
+    assert "within 2%: helion, triton" in str(dispatch.op("flce").explain(*flce_call(16)))
+    write_table(table, [dict(near, ms={"triton": 1.0 + 2 * tuned.TIE, "helion": 1.0})])
+    selection.reset()  # the table file changed under the same name
+    assert auto_backend(16) == "helion"
 
 
 def test_preferences_win_over_the_table(table):
