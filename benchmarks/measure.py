@@ -37,6 +37,7 @@ class Settings:
     deadline: float  # time.monotonic() after which the remaining rows are skipped
     l2_bytes: int
     seed: int = 0
+    warm: bool = False  # L2 not flushed between repetitions, one input set (what a repeated training step sees)
 
 
 @dataclass
@@ -135,7 +136,7 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
         outcome = None
         try:
             step = _step(fn, sets, case.mode)
-            result = timing.bench(step, leaves, s.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms)
+            result = timing.bench(step, leaves, s.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, flush=not s.warm)
             peak = timing.peak_mb(step, leaves, s.device)
             outcome = Outcome(OK, result, peak, errors, list(note))
         except Exception as exc:
@@ -194,8 +195,10 @@ def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
 
 
 def _input_sets(case: Case, s: Settings) -> list[workloads.Inputs]:
-    """Inputs for timing, several sets when one would fit in L2 and make it look faster."""
+    """Inputs for timing, several sets when one would fit in L2 and make it look faster (one set when warm)."""
     first = workloads.make_inputs(case, s.device, s.seed + 2)
+    if s.warm:
+        return [first]
     copies = min(MAX_INPUT_COPIES, max(1, math.ceil(2 * s.l2_bytes / first.nbytes())))
     return [first] + [workloads.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
 

@@ -22,6 +22,7 @@ COLUMNS = (*KEY, "status", "ms", "ms_p20", "ms_p80", "peak_mb", "x_roofline", "r
            "dims", "note", "date", "gpu", "driver", "torch", "triton", "helion", "cutlass", "matmul_tflops",
            "copy_gbps", "command")
 UNAVAILABLE = "unavailable"
+WARM_SUFFIX = "-warm"
 OVERHEAD = "dispatch_overhead"
 _RUN_COLUMNS = ("date", "gpu", "driver", "torch", "triton", "helion", "cutlass", "matmul_tflops", "copy_gbps",
                 "command")
@@ -36,7 +37,8 @@ fwd 4NHV, bwd 4NHV; fwd+bwd is the sum. mHC is bound by bytes: x and phi read on
 gradients written once. fwd runs under torch.no_grad; bwd times backward alone. Every provider is first
 checked against the torch eager formulas (torch is the reference) on fresh random inputs: relative norm of
 the loss or outputs and of every gradient, bf16 and fp16 1e-2, fp32 2e-3; FAIL rows are not timed.
-torch.compile is compiled once per shape preset (N dynamic), before timing."""
+torch.compile is compiled once per shape preset (N dynamic), before timing. Modes ending in "-warm" (`--warm`)
+time the same way without the L2 flush, on one input set."""
 
 
 def _fmt(value) -> str:
@@ -46,11 +48,12 @@ def _fmt(value) -> str:
 
 
 def row(case: Case, provider: str, outcome: Outcome, env: Environment, matmul_tflops: float, copy_gbps: float,
-        roofline_ms: Optional[float] = None) -> dict[str, str]:
+        roofline_ms: Optional[float] = None, warm: bool = False) -> dict[str, str]:
+    """One CSV row; a warm-L2 measurement's mode reads e.g. "fwd+bwd-warm" (its own rows, tables and plots)."""
     t = outcome.timing
     values = {
         "op": case.op, "shape": case.shape, "n": case.n, "dtype": case.dtype_name, "provider": provider,
-        "mode": case.mode, "status": outcome.status,
+        "mode": case.mode + (WARM_SUFFIX if warm else ""), "status": outcome.status,
         "ms": t and t.ms, "ms_p20": t and t.p20, "ms_p80": t and t.p80, "peak_mb": outcome.peak_mb,
         "x_roofline": t.ms / roofline_ms if t and roofline_ms else None, "roofline_ms": roofline_ms,
         "err_out": outcome.errors[0], "err_grad": outcome.errors[1], "dims": case.describe(),

@@ -52,6 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mode", nargs="+", default=["fwd+bwd"], help=f"any of {', '.join(shapes.MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--warm", action="store_true", help="time without flushing L2 between repetitions, on one "
+                   "input set (rows get the mode fwd+bwd-warm etc., beside the flushed ones)")
     p.add_argument("--rep-ms", type=float, default=150.0, help="do_bench repetition time per row")
     p.add_argument("--max-row-s", type=float, default=60.0,
                    help="skip a size predicted (from the smaller ones) to keep one row busy longer")
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
     settings = measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
-                                timing.l2_bytes(device), args.seed)
+                                timing.l2_bytes(device), args.seed, args.warm)
     plan = _plan(args, device, console)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{env.gpu_short}.csv"
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         task = progress.add_task("benchmarks", total=total)
 
         def settle(case, name, outcome, roofline_ms=None):
-            r = report.row(case, name, outcome, env, tflops, gbps, roofline_ms)
+            r = report.row(case, name, outcome, env, tflops, gbps, roofline_ms, args.warm and case.op != report.OVERHEAD)
             if outcome.status != measure.NOT_REACHED:  # keep what an earlier run measured
                 this_run.append(r)
             if outcome.status != report.UNAVAILABLE:  # said once per op, when planning

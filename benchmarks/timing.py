@@ -1,7 +1,9 @@
 """Timing and memory of one callable, and the machine's two ceilings (matmul rate, copy bandwidth).
 
 On a GPU: CUDA events through triton.testing.do_bench (it also flushes L2 before every repetition),
-gradients set to None between repetitions. On the CPU (the harness's own tests): a host clock.
+gradients set to None between repetitions; with flush=False the same events around each repetition without
+the flush (warm L2: what the previous repetition left there stays). On the CPU (the harness's own tests): a
+host clock.
 """
 
 from __future__ import annotations
@@ -43,11 +45,15 @@ def _reset(grads: Sequence[torch.Tensor]) -> None:
 
 
 def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
-          min_reps: int = 5) -> Timing:
-    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions."""
+          min_reps: int = 5, flush: bool = True) -> Timing:
+    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions; L2 flushed before each one
+    unless flush=False."""
     _reset(grads)
     estimate = wall_ms(fn, device)  # also the first warm-up call
     rep_ms = max(rep_ms, min_reps * estimate)
+    if device.type == "cuda" and not flush:
+        return _warm_events(fn, grads, reps=max(min_reps, round(rep_ms / max(estimate, 1e-3))),
+                            warmups=max(1, round(warmup_ms / max(estimate, 1e-3))))
     if device.type == "cuda":
         import triton.testing
 
@@ -60,6 +66,22 @@ def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, 
         _reset(grads)
         times.append(wall_ms(fn, device))
     return summarize(times)
+
+
+def _warm_events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int) -> Timing:
+    """do_bench's measurement without its L2 flush: CUDA events around each repetition, gradients reset between
+    them (outside the events), one synchronization at the end."""
+    for _ in range(warmups):
+        _reset(grads)
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        _reset(grads)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([start.elapsed_time(end) for start, end in events])
 
 
 def summarize(values: Sequence[float]) -> Timing:

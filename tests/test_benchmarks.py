@@ -38,6 +38,16 @@ def test_tiny_preset_writes_csv_markdown_and_plots(tmp_path):
         assert f"## {op}" in markdown
     assert len(list(out.glob("cpu_*.png"))) == 4  # one per op with a shape sweep
 
+    # A warm-L2 run keeps its rows beside the flushed ones (its own mode).
+    warm = [sys.executable, "-m", "benchmarks.run", "--ops", "flce", "--shapes", "tiny", "--providers", "torch",
+            "--rep-ms", "1", "--warmup-ms", "1", "--warm", "--out", str(out)]
+    done = subprocess.run(warm, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    modes = {r["mode"] for r in report.read_csv(out / "cpu.csv") if r["op"] == "flce"}
+    assert modes == {"fwd+bwd", "fwd+bwd-warm"}, modes
+    assert "fwd+bwd-warm" in (out / "cpu.md").read_text()
+    rows = report.read_csv(out / "cpu.csv")
+
     # Later invocations merge into the same file, replacing the rows of the same key.
     remeasured = dict(rows[0], ms="1.5")
     report.merge_csv(out / "cpu.csv", [remeasured, dict(rows[0], n="999999")])
