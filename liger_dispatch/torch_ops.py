@@ -140,11 +140,6 @@ def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
     return plan.launch(a, args, kwargs)
 
 
-def run(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    """The eager path: select, check values, run (with autograd for user-level ops)."""
-    return plan(spec, pinned, a, args, kwargs).launch(a, args, kwargs)
-
-
 def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dict], object]:
     """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function:
     all fixed by the signature), decided once."""
@@ -241,7 +236,7 @@ def _define_kernel(spec: OpSpec) -> None:
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
-        out = run(spec, pinned, a, positional, options)
+        out = _serving(spec, pinned, a, positional, options)(*positional, **options)
         return _unaliased(out, positional) if isinstance(out, tuple) else out
 
     def fake(*args, **kwargs):
