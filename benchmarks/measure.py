@@ -211,8 +211,6 @@ def _step(fn: Callable, sets: list[workloads.Inputs], mode: str) -> Callable[[],
 
         def backward_only() -> None:
             out, inputs = next(graphs)
-            for leaf in inputs.leaves:
-                leaf.grad = None
             workloads.backward(out, inputs, retain_graph=True)
 
         return backward_only
@@ -226,8 +224,6 @@ def _step(fn: Callable, sets: list[workloads.Inputs], mode: str) -> Callable[[],
 
     def forward_backward() -> None:
         inputs = next(turn)
-        for leaf in inputs.leaves:  # do_bench's estimate calls skip its grad_to_none: nothing may accumulate (a
-            leaf.grad = None        # CUDA-graphed backward's last gradients are overwritten by the next replay)
         workloads.backward(workloads.forward(fn, inputs), inputs)
 
     return forward_backward

@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--warm", action="store_true", help="time without flushing L2 between repetitions, on one "
                    "input set (rows get the mode fwd+bwd-warm etc., beside the flushed ones)")
-    p.add_argument("--rep-ms", type=float, default=150.0, help="do_bench repetition time per row")
+    p.add_argument("--rep-ms", type=float, default=150.0, help="timed repetitions' total time per row")
     p.add_argument("--max-row-s", type=float, default=60.0,
                    help="skip a size predicted (from the smaller ones) to keep one row busy longer")
     p.add_argument("--time-budget-s", type=float, default=math.inf,

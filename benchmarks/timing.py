@@ -1,9 +1,8 @@
 """Timing and memory of one callable, and the machine's two ceilings (matmul rate, copy bandwidth).
 
-On a GPU: CUDA events through triton.testing.do_bench (it also flushes L2 before every repetition),
-gradients set to None between repetitions; with flush=False the same events around each repetition without
-the flush (warm L2: what the previous repetition left there stays). On the CPU (the harness's own tests): a
-host clock.
+On a GPU: CUDA events around each repetition, as triton.testing.do_bench takes them, with L2 flushed and
+gradients set to None before every call (with flush=False, no flush: what the previous repetition left in L2
+stays). On the CPU (the harness's own tests): a host clock.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-QUANTILES = (0.5, 0.2, 0.8)
+L2_FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench zeroes to flush L2
 DEFAULT_L2_BYTES = 60 * 2**20
 
 
@@ -46,20 +45,14 @@ def _reset(grads: Sequence[torch.Tensor]) -> None:
 
 def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
           min_reps: int = 5, flush: bool = True) -> Timing:
-    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions; L2 flushed before each one
-    unless flush=False."""
+    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions, each after its gradients
+    are reset and (unless flush=False) L2 is flushed, both outside the timed window."""
     _reset(grads)
-    estimate = wall_ms(fn, device)  # also the first warm-up call
+    estimate = max(wall_ms(fn, device), 1e-3)  # also the first warm-up call
     rep_ms = max(rep_ms, min_reps * estimate)
-    if device.type == "cuda" and not flush:
-        return _warm_events(fn, grads, reps=max(min_reps, round(rep_ms / max(estimate, 1e-3))),
-                            warmups=max(1, round(warmup_ms / max(estimate, 1e-3))))
     if device.type == "cuda":
-        import triton.testing
-
-        ms, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grads),
-                                               quantiles=list(QUANTILES))
-        return Timing(ms, p20, p80)
+        return _events(fn, grads, reps=max(min_reps, round(rep_ms / estimate)),
+                       warmups=max(1, round(warmup_ms / estimate)), flush=flush)
     times = []
     deadline = time.perf_counter() + rep_ms / 1e3
     while len(times) < min_reps or time.perf_counter() < deadline:
@@ -68,15 +61,21 @@ def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, 
     return summarize(times)
 
 
-def _warm_events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int) -> Timing:
-    """do_bench's measurement without its L2 flush: CUDA events around each repetition, gradients reset between
-    them (outside the events), one synchronization at the end."""
+def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> Timing:
+    """triton.testing.do_bench's measurement, with every call, its warm-up and estimate calls too, starting from
+    reset gradients (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are
+    overwritten by the next replay, and autograd would read them to accumulate): CUDA events around each
+    repetition, L2 flushed before it by zeroing a buffer larger than L2 (unless flush=False), one synchronization
+    at the end."""
+    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
     for _ in range(warmups):
         _reset(grads)
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         _reset(grads)
+        if cache is not None:
+            cache.zero_()
         start.record()
         fn()
         end.record()
