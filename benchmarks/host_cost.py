@@ -43,7 +43,7 @@ from benchmarks import env as environment
 from benchmarks import mhc_kernels, workloads
 from benchmarks.shapes import LM_OPS, Case
 from liger_dispatch import dispatch
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.table import TABLE
 
 LOSS_DIMS = (("N", 1024), ("H", 1024), ("V", 32000))  # small: the host cost shows, the GPU time does not hide it
 MHC_POINTS = ((512, 1024), (2048, 4096))

@@ -39,7 +39,8 @@ def per_call_ns(fn: Callable, args: tuple, device: torch.device) -> timing.Timin
 
 def measure(device: torch.device) -> list[tuple[str, Outcome]]:
     import liger_dispatch as ld
-    from liger_dispatch import dispatch, selection
+    from liger_dispatch import dispatch
+    from liger_dispatch.core import selection
 
     result = torch.ones((), device=device)
 

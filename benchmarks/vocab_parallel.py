@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from benchmarks import env, timing, workloads
 from benchmarks.shapes import DTYPES, LM_OPS, Case
 from liger_dispatch import dispatch
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.table import TABLE
 
 # the arguments of each op that hold a slice of the vocabulary, and the dim it is split on
 SLICED = {"flce": {1: 0}, "fused_linear_jsd": {1: 0, 3: 0}, "fused_linear_kl_div": {1: 0, 2: 1}}

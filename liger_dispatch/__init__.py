@@ -10,8 +10,8 @@ from liger_dispatch.capability import Capability
 from liger_dispatch.dispatch import available_backends, op, registered_backends
 from liger_dispatch.errors import (BackendUnavailableError, ConfigError, FallbackWarning, InputError,
                                    LigerDispatchError, UnknownBackendError, UnknownOpError)
-from liger_dispatch.selection import use_backend
-from liger_dispatch.table import declare_op_locations, register_backend
+from liger_dispatch.core.selection import use_backend
+from liger_dispatch.core.table import declare_op_locations, register_backend
 from liger_dispatch import registry  # noqa: E402  (declares every op; imports no backend)
 
 __all__ = [

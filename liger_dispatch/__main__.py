@@ -1,5 +1,5 @@
 import sys
 
-from liger_dispatch.cli import main
+from liger_dispatch.tools.cli import main
 
 sys.exit(main())

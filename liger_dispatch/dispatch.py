@@ -7,9 +7,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch import autocast, call_plans, check_cache, discovery, selection, torch_ops, vocab_parallel
+from liger_dispatch.core import autocast, call_plans, check_cache, discovery, selection, torch_ops
+from liger_dispatch.compose import vocab_parallel
 from liger_dispatch.capability import default_device, default_dtype
-from liger_dispatch.table import TABLE, Impl, reference_last
+from liger_dispatch.core.table import TABLE, Impl, reference_last
 
 
 class Explanation:

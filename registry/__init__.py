@@ -2,9 +2,9 @@
 implements it. Importing this module declares everything; backend modules are imported lazily."""
 
 from liger_dispatch import settings
-from liger_dispatch.discovery import declare_backend_devices
+from liger_dispatch.core.discovery import declare_backend_devices
 from liger_dispatch.registry import losses, mhc, vocab_parallel
-from liger_dispatch.table import declare_op_locations
+from liger_dispatch.core.table import declare_op_locations
 
 BACKENDS = ("reference", "triton", "cutedsl", "helion")
 

@@ -7,10 +7,10 @@ import math
 import torch
 
 from liger_dispatch.errors import InputError
-from liger_dispatch.table import TABLE, OpSpec, TensorSpec
+from liger_dispatch.core.table import TABLE, OpSpec, TensorSpec
 from liger_dispatch.registry import checks as c
 
-COMPOSITIONS = "liger_dispatch.fused_linear"
+COMPOSITIONS = "liger_dispatch.compose.fused_linear"
 
 
 def _head(input_name, input, weight_name, weight):
@@ -190,7 +190,7 @@ def fake_flce(a):
     return a.input.new_empty(shape, dtype=torch.float32)
 
 
-# process_group (vocab-parallel, liger_dispatch/vocab_parallel.py): the weight is this rank's slice of the
+# process_group (vocab-parallel, liger_dispatch/compose/vocab_parallel.py): the weight is this rank's slice of the
 # vocabulary. Eager calls pass a torch.distributed ProcessGroup; the torch op's argument is its group name.
 # What the implementations of a fused-linear loss take beyond its schema: which of the op's `differentiable`
 # tensors need their gradient (computed in the forward pass), and for flce per-row weights of the loss (the

@@ -8,7 +8,7 @@ import torch
 
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
-from liger_dispatch.table import TABLE, OpSpec, TensorSpec
+from liger_dispatch.core.table import TABLE, OpSpec, TensorSpec
 
 def streams_of(phi: torch.Tensor) -> int:
     """HC from phi's column count HC^2 + 2 HC."""
@@ -121,7 +121,7 @@ def declare() -> None:
     TABLE.declare_op(OpSpec(BWD_SCHEMA, "kernel", check_mhc_coeff_bwd, fake=fake_mhc_coeff_bwd,
                             summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"))
     TABLE.declare_op(OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"),
-                            compose="liger_dispatch.mhc:compose_mhc", probe=probe_mhc_coeffs,
+                            compose="liger_dispatch.compose.mhc:compose_mhc", probe=probe_mhc_coeffs,
                             differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
                             fake=fake_mhc_coeffs,
                             summary="mHC pre/post/residual coefficients, with autograd"))

@@ -1,7 +1,7 @@
 """Op specs of the vocab-parallel kernel-level ops (their contract is written once, in SCHEMAS, and the docstring below).
 
 A rank holds the logits of the columns [vocab_start, vocab_start + Vl) of a vocabulary of V. A statistics pass
-returns fp32 per-row statistics over this slice; the driver (liger_dispatch/vocab_parallel.py) combines them
+returns fp32 per-row statistics over this slice; the driver (liger_dispatch/compose/vocab_parallel.py) combines them
 over the ranks (log-sum-exp for the lse columns, sums for the others); a gradient pass takes the global
 statistics and writes this slice's gradient over the logits. Rows whose label is ignore_index give zero
 statistics and a zero gradient; an empty slice (Vl = 0) has lse -inf.
@@ -14,7 +14,7 @@ import torch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry.losses import fake_rows
-from liger_dispatch.table import TABLE, OpSpec
+from liger_dispatch.core.table import TABLE, OpSpec
 
 SCHEMAS = {
     "ce_vp_stats": "ce_vp_stats(Tensor logits, Tensor target, *, int vocab_start=0, int ignore_index=-100, "

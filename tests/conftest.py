@@ -17,8 +17,8 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from liger_dispatch import selection  # noqa: E402
-from liger_dispatch.table import TABLE  # noqa: E402
+from liger_dispatch.core import selection  # noqa: E402
+from liger_dispatch.core.table import TABLE  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def clean_selection(monkeypatch):
     """Each test starts with no LIGER_* preference in the environment and no memoized selection."""
     for key in list(os.environ):
         if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_BUDGET_MB",
-                                                      "LIGER_CHUNK_OVERLAP", "LIGER_TUNED_TABLE"):
+                                                      "LIGER_TUNED_TABLE"):
             monkeypatch.delenv(key)
     selection.reset()
     yield

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.table import TABLE
 
 
 def cutedsl_impl(op):

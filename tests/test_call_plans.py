@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch, selection, settings, torch_ops
+from liger_dispatch import dispatch, settings
+from liger_dispatch.core import selection, torch_ops
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, InputError
 from liger_dispatch.backends.reference import kl_div as reference_kl_div
 

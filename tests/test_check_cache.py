@@ -10,12 +10,13 @@ import textwrap
 import pytest
 import torch
 
-from liger_dispatch import check_cache, dispatch
+from liger_dispatch.core import check_cache
+from liger_dispatch import dispatch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
 from liger_dispatch.registry import device_labels
 from liger_dispatch.registry.device_labels import assert_class_indices
-from liger_dispatch.schema import OpSchema
+from liger_dispatch.core.schema import OpSchema
 
 from test_checks import BAD, KERNEL_BAD, N, V, call, flce_args, kl_args, mhc_args
 

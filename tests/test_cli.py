@@ -5,7 +5,8 @@ import pytest
 import pytest
 import torch
 
-from liger_dispatch import cli, dispatch
+from liger_dispatch.tools import cli
+from liger_dispatch import dispatch
 
 
 def test_matrix_names_every_op_and_the_auto_choice(capsys):

@@ -208,7 +208,7 @@ def test_chunked_driver_chunk_sizes_reference(op, rows, monkeypatch):
 
 
 def test_budget_chunking_runs_small_batches_as_one_chunk():
-    from liger_dispatch.fused_linear import chunk_rows
+    from liger_dispatch.compose.fused_linear import chunk_rows
 
     assert chunk_rows(2048, 128256, 2) == 2048  # 512 MB budget: one chunk
     rows = chunk_rows(16384, 128256, 2)

@@ -17,7 +17,7 @@ pytest.importorskip("cutlass")
 from liger_dispatch import dispatch  # noqa: E402
 from liger_dispatch.backends.cutedsl import _mhc_rows, mhc  # noqa: E402
 from liger_dispatch.backends.reference import formulas  # noqa: E402
-from liger_dispatch.table import TABLE  # noqa: E402
+from liger_dispatch.core.table import TABLE  # noqa: E402
 from mhc_checks import MISSING_GRADS, MISSING_GRADS_IDS, check_empty_batch, check_mhc, inputs  # noqa: E402
 from cutedsl_checks import cubin_resources, cutedsl_impl  # noqa: E402
 

@@ -63,7 +63,7 @@ def test_two_threads_discovering_at_once_do_not_deadlock(tmp_path):
     out = run_fresh("""
         import importlib, threading, time, torch
         import liger_dispatch as ld
-        from liger_dispatch.table import TABLE, OpSpec
+        from liger_dispatch.core.table import TABLE, OpSpec
         TABLE.declare_op(OpSpec("dl_op(Tensor x) -> Tensor", "kernel", lambda a: None))
         ld.declare_op_locations("dl_op", {"mine": "backend_mod"})
         results = []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from liger_dispatch import grad_bounds
+from liger_dispatch.compose import grad_bounds
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 from kernel_checks import reference
 

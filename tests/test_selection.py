@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch, selection
+from liger_dispatch import dispatch
+from liger_dispatch.core import selection
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, UnknownBackendError, UnknownOpError
-from liger_dispatch.table import OpSpec
+from liger_dispatch.core.table import OpSpec
 
 CPU = ld.Capability(devices=("cpu",))
 CUDA_ONLY = ld.Capability(devices=("cuda",), min_cc=(9, 0))

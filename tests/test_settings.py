@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch, selection, settings
+from liger_dispatch import dispatch, settings
+from liger_dispatch.core import selection
 from liger_dispatch.errors import BackendUnavailableError, ConfigError, FallbackWarning
 
 
@@ -22,7 +23,6 @@ def test_strict_accepts_the_usual_spellings(monkeypatch, raw, on):
     ("LIGER_CHUNK_ROWS", "0", "a positive integer"),
     ("LIGER_CHUNK_BUDGET_MB", "-1", "a positive number of MiB"),
     ("LIGER_CHUNK_BUDGET_MB", "nan", "a positive number of MiB"),
-    ("LIGER_CHUNK_OVERLAP", "2", "0/false/no/off or 1/true/yes/on"),
     ("LIGER_TUNED_TABLE", "/", "tuned-table files separated by"),
 ])
 def test_a_bad_value_is_an_error_naming_the_variable_and_what_it_accepts(monkeypatch, name, raw, accepts):

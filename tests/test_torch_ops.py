@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 import liger_dispatch as ld
 from liger_dispatch import dispatch
 from liger_dispatch.errors import SignatureError
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.table import TABLE
 
 from kernel_checks import assert_rel_close
 

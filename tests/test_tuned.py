@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import cli, dispatch, selection, settings, tuned
+from liger_dispatch.tools import cli
+from liger_dispatch import dispatch, settings
+from liger_dispatch.core import selection
+from liger_dispatch.tuning import tuned
 
 H, V = 16, 40
 

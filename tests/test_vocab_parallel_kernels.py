@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch, vocab_parallel
+from liger_dispatch import dispatch
+from liger_dispatch.compose import vocab_parallel
 from liger_dispatch.errors import InputError
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 

@@ -19,12 +19,14 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from liger_dispatch import discovery, settings, tuned
+from liger_dispatch.core import discovery
+from liger_dispatch import settings
+from liger_dispatch.tuning import tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError,
                                    warn_at_caller)
 from liger_dispatch.settings import getenv
-from liger_dispatch.table import REFERENCE, TABLE, Impl, reference_last
+from liger_dispatch.core.table import REFERENCE, TABLE, Impl, reference_last
 
 _local = threading.local()
 _warned: set[tuple[str, str, str]] = set()

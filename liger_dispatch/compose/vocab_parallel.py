@@ -36,11 +36,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from liger_dispatch import fused_linear, selection
+from liger_dispatch.compose import fused_linear
+from liger_dispatch.core import selection
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
-from liger_dispatch.schema import Args
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.schema import Args
+from liger_dispatch.core.table import TABLE
 
 # the user-level ops with a vocab-parallel path, and the name of their weight argument
 WEIGHT_ARGUMENT = {"flce": "weight", "fused_linear_jsd": "student_weight", "fused_linear_kl_div": "student_weight"}

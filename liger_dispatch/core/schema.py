@@ -4,7 +4,7 @@
 
 From the schema come the Python signature every registered implementation must have (checked at registration),
 the binding of a call's arguments (`Args`, what the input checks and the probes read), the torch.library op
-(`liger_dispatch/torch_ops.py`) and the CLI's description of the op.
+(`liger_dispatch/core/torch_ops.py`) and the CLI's description of the op.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Measured auto-selection: per-device tables of the fastest backend for each (op, dtype, shape bucket).
 
-`python -m liger_dispatch tune` (liger_dispatch/tune.py) times every backend that can serve each point on
+`python -m liger_dispatch tune` (liger_dispatch/tuning/tune.py) times every backend that can serve each point on
 the current GPU and writes a table. A table is keyed by the GPU's name, its compute capability and the
 versions of torch, triton, helion and nvidia-cutlass-dsl: a table whose key differs from this process's
 (another GPU, other library versions) is ignored, never applied. The committed tables live in
-liger_dispatch/tuned_tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
+liger_dispatch/tuning/tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
 os.pathsep), whose entries win over the committed ones.
 
 Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
@@ -45,7 +45,7 @@ from liger_dispatch.errors import LigerDispatchError
 
 FORMAT = 1
 TIE = 0.02  # measured times within 2 % of the fastest rank as equal
-PACKAGED = Path(__file__).with_name("tuned_tables")
+PACKAGED = Path(__file__).with_name("tables")
 LIBRARIES = ("torch", "triton", "helion", "nvidia-cutlass-dsl")
 
 

@@ -27,9 +27,9 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import autocast, selection
+from liger_dispatch.core import autocast, selection
 from liger_dispatch.settings import TUNED_TABLE, getenv
-from liger_dispatch.table import TABLE
+from liger_dispatch.core.table import TABLE
 
 LIMIT = 1024  # signatures remembered per handle; past that they start over (a run whose shapes never repeat)
 

@@ -2,7 +2,7 @@
 
 The composition is an `MHCCoeffs` object: calling it runs the forward on rows of K = HC * C and returns the three
 coefficients in the caller's leading dims plus what the backward needs (mix, rstd); `backward` runs the kernel-level
-backward. Autograd around it lives in liger_dispatch/torch_ops.py (eager and traced).
+backward. Autograd around it lives in liger_dispatch/core/torch_ops.py (eager and traced).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`python -m liger_dispatch`: the op x backend matrix of this machine; `... demo`: the demo run;
-`... tune`: time the backends here and write a tuned table (liger_dispatch/tune.py)."""
+`... tune`: time the backends here and write a tuned table (liger_dispatch/tuning/tune.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from liger_dispatch import settings, tune
+from liger_dispatch import settings
+from liger_dispatch.tuning import tune
 from liger_dispatch.capability import default_device, default_dtype, dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
@@ -51,7 +52,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
 
     import liger_dispatch as ld
     from liger_dispatch.dispatch import backend_status
-    from liger_dispatch.table import TABLE
+    from liger_dispatch.core.table import TABLE
 
     console = Console()
     backends = TABLE.backend_names()
@@ -85,7 +86,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
         console.print(f"[dim]{module}: {error}[/dim]")
     env = {k: v for k, v in os.environ.items() if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     console.print(f"environment: {env or 'no LIGER_* variables set'}")
-    from liger_dispatch.selection import env_key
+    from liger_dispatch.core.selection import env_key
 
     for name in settings.unknown_variables(env_key(op) for op in TABLE.op_names()):
         console.print(f"[yellow]{name} is not a variable liger-dispatch reads (a typo?)[/yellow]")
@@ -118,11 +119,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         settings.check_all()
         if args.command == "demo" and args.model == "mhc":
-            from liger_dispatch.demo import run
+            from liger_dispatch.tools.demo import run
 
             return run(steps=args.steps or 30, device=device, dtype=dtype, distill=args.loss)
         if args.command == "demo":
-            from liger_dispatch.demo_llama import run
+            from liger_dispatch.tools.demo_llama import run
 
             return run(steps=args.steps or 60, device=device, dtype=dtype, distill=args.loss, png=args.png)
         if args.command == "tune":

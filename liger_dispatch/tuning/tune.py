@@ -1,8 +1,8 @@
 """`python -m liger_dispatch tune`: time every backend that can serve each (op, dtype, shape) here and write
-the table that auto selection reads (liger_dispatch/tuned.py).
+the table that auto selection reads (liger_dispatch/tuning/tuned.py).
 
     python -m liger_dispatch tune --out h200.json         # the default set: ~2-3 minutes on an H200
-    LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuned_tables/)
+    LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuning/tables/)
 
 A point is one op at one shape; its bucket is the one tuned.bucket_of gives the call. Each backend is timed
 fwd+bwd through `dispatch.op(op, backend=b)` (one whose capability or shape predicate turns the point down
@@ -27,10 +27,12 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import dispatch, selection, settings, tuned
+from liger_dispatch import dispatch, settings
+from liger_dispatch.core import selection
+from liger_dispatch.tuning import tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import FallbackWarning
-from liger_dispatch.table import REFERENCE
+from liger_dispatch.core.table import REFERENCE
 
 DEFAULT_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)

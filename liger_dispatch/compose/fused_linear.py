@@ -8,10 +8,10 @@ as row_weights (the gradient of sum_i w_i loss_i).
 
 The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
 default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
-launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). With LIGER_CHUNK_OVERLAP on,
-each chunk's loss kernel runs on a second CUDA stream, in two parts, overlapping the GEMMs (loss_stream.py).
+launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). (Running the loss kernel on a
+second stream to overlap the GEMMs was measured slower on the H200 by 0.1-2.3 ms: benchmarks/NOTES.md.)
 
-Vocab-parallel (liger_dispatch/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
+Vocab-parallel (liger_dispatch/compose/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
 kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
 rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
 for every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take
@@ -26,8 +26,8 @@ from typing import Callable, Optional
 
 import torch
 
-from liger_dispatch import grad_bounds, settings
-from liger_dispatch.loss_stream import LossStream
+from liger_dispatch.compose import grad_bounds
+from liger_dispatch import settings
 
 ROW_ALIGN = 64
 
@@ -116,24 +116,14 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
     losses = []
-    stream = LossStream(x.device)  # the loss kernels overlap the GEMMs (loss_stream.py) where it is active
-    stream.adopt(buffer)
     for start in range(0, n, rows):
         end = min(start + rows, n)
         logits = buffer[: end - start]
         x_c = x[start:end]
-        parts = []
-        for part_start, part_end in stream.parts(start, end):
-            part = buffer[part_start - start: part_end - start]
-            _linear_into(x[part_start:part_end], weight, bias, part)
-            scale = kernel_scale[part_start:part_end] if kernel_scale.dim() else kernel_scale
-            part_losses, done = stream.run(chunk_loss, part, part_start, part_end, scale)
-            losses.append(part_losses)
-            parts.append((part, part_start, part_end, done))
-        for part, part_start, part_end, done in parts:
-            stream.wait(done)
-            if dx is not None:
-                torch.mm(part, weight, out=dx[part_start:part_end])
+        _linear_into(x_c, weight, bias, logits)
+        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
+        if dx is not None:
+            torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:

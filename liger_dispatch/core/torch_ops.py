@@ -22,11 +22,13 @@ from typing import Callable, Optional
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch import grad_scale, selection, vocab_parallel
-from liger_dispatch.call_plans import Plan
-from liger_dispatch.fused_linear import grad_dtype, wanted_grads
-from liger_dispatch.schema import Args
-from liger_dispatch.table import TABLE, OpSpec
+from liger_dispatch import grad_scale
+from liger_dispatch.core import selection
+from liger_dispatch.compose import vocab_parallel
+from liger_dispatch.core.call_plans import Plan
+from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
+from liger_dispatch.core.schema import Args
+from liger_dispatch.core.table import TABLE, OpSpec
 
 NAMESPACE = "liger_dispatch"
 _LIB = torch.library.Library(NAMESPACE, "DEF")

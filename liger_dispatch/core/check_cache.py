@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-from liger_dispatch.schema import Args
+from liger_dispatch.core.schema import Args
 
 LIMIT = 4096  # signatures remembered; past that the set starts over (a run whose shapes never repeat)
 

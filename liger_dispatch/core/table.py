@@ -14,7 +14,7 @@ from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
 from liger_dispatch.errors import UnknownOpError
-from liger_dispatch.schema import Args, OpSchema
+from liger_dispatch.core.schema import Args, OpSchema
 
 REFERENCE = "reference"
 WHOLE_OP = "whole-op"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from liger_dispatch.schema import Args
+from liger_dispatch.core.schema import Args
 
 def _device_type(spec, a: Args) -> str:
     return getattr(a, spec.autocast[0]).device.type
