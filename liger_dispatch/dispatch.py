@@ -39,7 +39,7 @@ class OpHandle:
         self.pinned = selection.parse_backends(backend)
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
-        self._vocab_parallel = self.name in vocab_parallel.WEIGHT_ARGUMENT  # a DTensor weight: its local slices
+        self._vocab_parallel = self._spec.vocab_parallel is not None  # a DTensor weight: its local slices
         self._plans = call_plans.Plans(self._spec, self.pinned)
 
     def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):

@@ -1,30 +1,26 @@
-"""The op table of liger-dispatch: every op's spec (signature, input checks) and where each backend
-implements it. Importing this module declares everything; backend modules are imported lazily."""
+"""The op table of liger-dispatch: every op family's declarations, and where each backend implements them.
+
+An op family module (cross_entropy, jsd, kl_div, mhc) holds everything that is specific to its ops, read by the
+machinery: OPS, their OpSpecs (schemas, checks, fakes, compositions, fp16 bounds, vocab-parallel layouts), and
+BACKEND_MODULES, the module of each backend package that implements each kernel-level op. Importing this module
+declares everything; backend modules are imported lazily.
+"""
 
 from liger_dispatch import settings
 from liger_dispatch.core.discovery import declare_backend_devices
-from liger_dispatch.registry import losses, mhc, vocab_parallel
-from liger_dispatch.core.table import declare_op_locations
+from liger_dispatch.core.table import TABLE, declare_op_locations
+from liger_dispatch.registry import cross_entropy, jsd, kl_div, mhc
 
 BACKENDS = ("reference", "triton", "cutedsl", "helion")
+FAMILIES = (cross_entropy, jsd, kl_div, mhc)
 
-# kernel-level op -> module name inside each backend package
-KERNEL_MODULES = {
-    "ce_loss_and_grad": "ce",
-    "jsd_loss_and_grad": "jsd",
-    "kl_div_loss_and_grad": "kl_div",
-    "mhc_coeff_fwd": "mhc",
-    "mhc_coeff_bwd": "mhc",
-    **dict.fromkeys(vocab_parallel.SCHEMAS, "vocab_parallel"),
-}
-
-losses.declare()
-mhc.declare()
-vocab_parallel.declare()
-# user-level ops are served through the kernel-level modules they are composed of; a backend's
-# whole-op implementation registers itself from one of its modules.
-for _op, _module in KERNEL_MODULES.items():
-    declare_op_locations(_op, {b: f"liger_dispatch.backends.{b}.{_module}" for b in BACKENDS})
+for _family in FAMILIES:
+    for _spec in _family.OPS:
+        TABLE.declare_op(_spec)
+    # user-level ops are served through the kernel-level modules they are composed of; a backend's
+    # whole-op implementation registers itself from one of its modules.
+    for _op, _module in _family.BACKEND_MODULES.items():
+        declare_op_locations(_op, {b: f"liger_dispatch.backends.{b}.{_module}" for b in BACKENDS})
 
 
 def _cuda_or_interpreted(*interpreters: settings.Setting):

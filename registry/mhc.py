@@ -1,14 +1,23 @@
-"""Op specs of the mHC coefficient ops (arXiv 2512.24880)."""
+"""The mHC coefficient ops (manifold-constrained hyper-connections, arXiv 2512.24880): the user-level
+`mhc_coeffs` with autograd, and the kernel-level forward and backward it is composed of.
+
+    mhc_coeffs(x [..., HC, C], phi [HC*C, HC^2 + 2 HC], b, alpha_pre, alpha_post, alpha_res)
+        -> (h_pre [..., HC], h_post [..., HC], h_res [..., HC, HC]), fp32
+    mhc_coeff_fwd(x [M, HC*C], ...) -> (h_pre, h_post, h_res, mix [M, n], rstd [M])
+    mhc_coeff_bwd(x, ..., mix, rstd, grad_h_pre?, grad_h_post?, grad_h_res?) -> gradients of x, phi, b and the alphas
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
-from liger_dispatch.core.table import TABLE, OpSpec, TensorSpec
+from liger_dispatch.core.table import OpSpec, TensorSpec
+
 
 def streams_of(phi: torch.Tensor) -> int:
     """HC from phi's column count HC^2 + 2 HC."""
@@ -115,13 +124,59 @@ BWD_SCHEMA = (f"mhc_coeff_bwd({_PARAMS}, Tensor mix, Tensor rstd, Tensor? grad_h
               f"Tensor? grad_h_res, *, int hc, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def declare() -> None:
-    TABLE.declare_op(OpSpec(FWD_SCHEMA, "kernel", check_mhc_coeff_fwd, fake=fake_mhc_coeff_fwd,
-                            summary="mHC coefficients forward: x @ phi, RMS scaling, sigmoids, Sinkhorn"))
-    TABLE.declare_op(OpSpec(BWD_SCHEMA, "kernel", check_mhc_coeff_bwd, fake=fake_mhc_coeff_bwd,
-                            summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"))
-    TABLE.declare_op(OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"),
-                            compose="liger_dispatch.compose.mhc:compose_mhc", probe=probe_mhc_coeffs,
-                            differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
-                            fake=fake_mhc_coeffs,
-                            summary="mHC pre/post/residual coefficients, with autograd"))
+class MHCCoeffs:
+    """mhc_coeffs composed from a backend's mhc_coeff_fwd / mhc_coeff_bwd: calling it runs the forward on rows of
+    K = HC * C and returns the three coefficients in the caller's leading dims plus what the backward needs (mix,
+    rstd); `backward` runs the kernel-level backward. Autograd around it is the machinery's (core/torch_ops.py)."""
+
+    def __init__(self, fwd: Callable, bwd: Callable):
+        self.fwd, self.bwd = fwd, bwd
+
+    def __call__(self, x, phi, b, alpha_pre, alpha_post, alpha_res, *, tmax=20, rms_eps=1e-6, pre_eps=0.0,
+                 sinkhorn_eps=1e-6, post_mult=2.0):
+        """-> (h_pre [..., HC], h_post [..., HC], h_res [..., HC, HC], mix [M, n], rstd [M]), all fp32."""
+        *lead, hc, channels = x.shape
+        rows = _rows(x)
+        h_pre, h_post, h_res, mix, rstd = self.fwd(rows, phi, b, alpha_pre, alpha_post, alpha_res, hc=hc, tmax=tmax,
+                                                   rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps,
+                                                   post_mult=post_mult)
+        return _shaped(h_pre, (*lead, hc)), _shaped(h_post, (*lead, hc)), _shaped(h_res, (*lead, hc, hc)), mix, rstd
+
+    def backward(self, x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_pre, grad_post, grad_res, *,
+                 tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
+        """-> (grad_x [..., HC, C], grad_phi, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res)."""
+        m, hc = mix.shape[0], x.shape[-2]
+        grad_x, *grads = self.bwd(
+            _rows(x), phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd,
+            None if grad_pre is None else grad_pre.reshape(m, hc),
+            None if grad_post is None else grad_post.reshape(m, hc),
+            None if grad_res is None else grad_res.reshape(m, hc, hc),
+            hc=hc, tmax=tmax, rms_eps=rms_eps, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, post_mult=post_mult)
+        return grad_x.view_as(x), *grads  # view(torch.Size) takes a slower path (~3 us), view(tuple) ~1 us more
+
+
+def _shaped(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A fresh output given the caller's leading dims without becoming a view (autograd forbids in-place changes
+    to a view made inside a custom Function, and each view outside one adds a node to every backward)."""
+    if t._base is None and t.is_contiguous():
+        return t.resize_(shape)  # same element count: only the sizes change
+    return t.reshape(shape).clone()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., HC, C] as rows [M, HC * C]: a view of a residual-stream x when its layout allows."""
+    rows = x.reshape(-1, x.shape[-2] * x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+OPS = (
+    OpSpec(FWD_SCHEMA, "kernel", check_mhc_coeff_fwd, fake=fake_mhc_coeff_fwd,
+           summary="mHC coefficients forward: x @ phi, RMS scaling, sigmoids, Sinkhorn"),
+    OpSpec(BWD_SCHEMA, "kernel", check_mhc_coeff_bwd, fake=fake_mhc_coeff_bwd,
+           summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"),
+    OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"), compose=MHCCoeffs,
+           probe=probe_mhc_coeffs, differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
+           fake=fake_mhc_coeffs, saved="Tensor mix, Tensor rstd",
+           summary="mHC pre/post/residual coefficients, with autograd"),
+)
+BACKEND_MODULES = {"mhc_coeff_fwd": "mhc", "mhc_coeff_bwd": "mhc"}

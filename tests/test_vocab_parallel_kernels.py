@@ -17,6 +17,7 @@ import torch
 import liger_dispatch as ld
 from liger_dispatch import dispatch
 from liger_dispatch.compose import vocab_parallel
+from liger_dispatch.registry import cross_entropy, kl_div
 from liger_dispatch.errors import InputError
 from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
 
@@ -74,7 +75,7 @@ def run_ce(backend, x, target, sizes, scale, **options):
     for start, part in parts:
         dispatch.op("ce_vp_grad", backend=backend)(part, target, stats[:, 0], vocab_start=start, vocab_size=x.shape[1],
                                                   grad_scale=scale, ignore_index=IGNORE, **options)
-    return vocab_parallel.ce_rows(stats, target, vocab_size=x.shape[1], ignore_index=IGNORE,
+    return cross_entropy.loss_rows(stats, target, vocab_size=x.shape[1], ignore_index=IGNORE,
                                   label_smoothing=options.get("label_smoothing", 0.0),
                                   lse_square_scale=options.get("lse_square_scale", 0.0))
 
@@ -101,7 +102,7 @@ def run_kl(backend, student, target, lab, sizes, scale, *, temperature=1.0, eps=
         lse_columns=1)
     for s, q in pairs:
         dispatch.op("kl_div_vp_grad", backend=backend)(s, q, stats[:, 0], stats[:, 1], lab, grad_scale=scale, **common)
-    return vocab_parallel.kl_div_rows(stats)
+    return kl_div.loss_rows(stats)
 
 
 def probabilities(log_target=False, zeros=True, dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""Reference vocab-parallel kernel-level ops (registry/vocab_parallel.py): the contract's formulas in eager torch.
+"""Reference vocab-parallel kernel-level ops (declared by the op families in registry/): the contract's formulas in eager torch.
 
 Statistics and gradients in fp32 (float64 for float64 logits), the gradients written out analytically: a slice's
 gradient depends on the global statistics, which autograd of a slice cannot see.

@@ -1,4 +1,4 @@
-"""Vocab-parallel kernel-level ops (registry/vocab_parallel.py) in Triton, one program per row over this rank's slice
+"""Vocab-parallel kernel-level ops (declared by the op families in registry/) in Triton, one program per row over this rank's slice
 of the vocabulary, built from the row passes of the single-vocabulary kernels (ce.py, jsd.py, kl_div.py).
 
 Statistics leave a kernel in natural log (the contract) and the global ones come back in; inside, as in those

@@ -1,4 +1,4 @@
-"""The shared fused-linear composition every backend reuses.
+"""The chunk driver of the fused-linear losses: what every op family's composition runs, for every backend.
 
 Per chunk of rows: logits = x_c @ W.T (+ bias) by cuBLAS into one reused buffer; the backend's
 kernel-level op turns that buffer into d(loss)/d(logits) in place and returns the per-row loss;
@@ -14,7 +14,7 @@ second stream to overlap the GEMMs was measured slower on the H200 by 0.1-2.3 ms
 Vocab-parallel (liger_dispatch/compose/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
 kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
 rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
-for every slice, sums dX over the ranks, and gives the whole vocabulary to the KL mean. The compositions take
+for every slice, sums dX over the ranks, and gives a mean over the vocabulary its whole size (`total`). The compositions take
 `process_group` because the op's schema has it; the dispatcher sends a call that sets it to the vocab-parallel
 driver, which builds them with the shard.
 """
@@ -97,7 +97,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
     gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
-    row_bound: a bound of each row's gradient L1 norm (grad_bounds.py), asked for fp16 inputs only.
+    row_bound: a bound of each row's gradient L1 norm (the op family's grad_bound), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     vocab_parallel: the VocabShard of a vocab-parallel call, or None.
     Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
@@ -143,129 +143,17 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
-def _valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
+def valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
     """Non-ignored rows as an fp32 device scalar, at least 1 (all ignored -> loss 0, not NaN). No sync."""
     if labels is None:
         return torch.full((), float(max(n, 1)), device=device)
     return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
 
 
-def _flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
+def flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
     return t.reshape(-1) if last is None else t.reshape(-1, last)
-
-
-def _ce_chunks(kernel: Callable, labels: torch.Tensor, options: dict) -> Callable:
-    """run_chunks' chunk_loss for a backend's ce_loss_and_grad."""
-    return lambda logits, start, end, scale: kernel(logits, labels[start:end], grad_scale=scale, **options)
-
-
-def _ce_bound(x, weight, bias, options: dict) -> Callable[[], grad_bounds.Bound]:
-    return lambda: grad_bounds.ce(x, weight, bias, softcap=options["softcap"],
-                                  lse_square_scale=options["lse_square_scale"])
 
 
 def wanted_grads(need_grads, count: int) -> list[bool]:
     """need_grads as `count` flags (missing ones are False)."""
     return ([bool(w) for w in need_grads] + [False] * count)[:count]
-
-
-def compose_flce(kernel: Callable, vocab_parallel=None) -> Callable:
-    """flce from a backend's ce_loss_and_grad (or its vocab-parallel stand-in, with the shard): (loss, grad_input,
-    grad_weight, grad_bias), the gradients of the ones `need_grads` asks for (else None); with row_weights, the
-    loss is sum_i w_i loss_i."""
-
-    def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
-             row_weights=None):
-        want_dx, want_dw, want_db = wanted_grads(need_grads, 3)
-        x = _flat(input, input.shape[-1])
-        labels = _flat(target).long()
-        options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-                       lse_square_scale=lse_square_scale)
-        if row_weights is not None:
-            scale = _flat(row_weights).to(torch.float32)
-        elif reduction == "mean":
-            scale = 1.0 / _valid_count(labels, x.shape[0], ignore_index, x.device)
-        else:
-            scale = torch.ones((), device=x.device)
-        rows, dx, dw, db = run_chunks(x, weight, bias, scale, _ce_chunks(kernel, labels, options), want_dx=want_dx,
-                                      want_dw=want_dw, want_db=want_db and bias is not None, accum_dtype=accum_dtype,
-                                      row_bound=_ce_bound(x, weight, bias, options), vocab_parallel=vocab_parallel)
-        if reduction == "none" and row_weights is None:
-            loss = rows.view(target.shape)
-        else:
-            loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
-        return (loss, None if dx is None else dx.view(input.shape), dw,
-                None if db is None else db.to(grad_dtype(bias)))
-
-    return flce
-
-
-def compose_jsd(kernel: Callable, vocab_parallel=None) -> Callable:
-    """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
-
-    def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
-                         jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                         accum_dtype=None, process_group=None, need_grads=()):
-        want_dx, want_dw = wanted_grads(need_grads, 2)
-        x = _flat(student_input, student_input.shape[-1])
-        xt = _flat(teacher_input, teacher_input.shape[-1])
-        labels = None if shift_labels is None else _flat(shift_labels).long()
-        count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-        factor = temperature * temperature if scale_by_temperature_squared else 1.0
-        scale = factor / count
-        teacher = []  # one buffer, sized by the first call: the largest unless chunks are cut into parts
-
-        def chunk_loss(logits, start, end, chunk_scale):
-            if not teacher or teacher[0].shape[0] < logits.shape[0]:  # a whole chunk after another's parts
-                teacher[:] = [torch.empty(logits.shape, dtype=xt.dtype, device=xt.device)]
-            t_logits = teacher[0][: end - start]
-            torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
-            chunk_labels = None if labels is None else labels[start:end]
-            return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
-                          temperature=temperature, grad_scale=chunk_scale)
-
-        rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss,
-                                     extra_bytes_per_logit=xt.element_size(), want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype,
-                                     row_bound=lambda: grad_bounds.jsd(xt, teacher_weight, beta=jsd_beta,
-                                                                       temperature=temperature),
-                                     vocab_parallel=vocab_parallel)
-        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
-
-    return fused_linear_jsd
-
-
-def compose_kl_div(kernel: Callable, vocab_parallel=None) -> Callable:
-    """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
-
-    def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
-                            ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
-                            process_group=None, need_grads=()):
-        want_dx, want_dw = wanted_grads(need_grads, 2)
-        x = _flat(student_input, student_input.shape[-1])
-        vocab = student_weight.shape[0]
-        probs = _flat(target, vocab)
-        if probs.stride(-1) != 1:
-            probs = probs.contiguous()
-        labels = None if shift_labels is None else _flat(shift_labels).long()
-        if reduction == "sum":
-            scale = torch.ones((), device=x.device)
-        else:
-            count = _valid_count(labels, x.shape[0], ignore_index, x.device)
-            total = vocab if vocab_parallel is None else vocab_parallel.total
-            scale = 1.0 / (count * total if reduction == "mean" else count)
-
-        def chunk_loss(logits, start, end, chunk_scale):
-            chunk_labels = None if labels is None else labels[start:end]
-            return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index, temperature=temperature,
-                          eps=eps, log_target=log_target, grad_scale=chunk_scale)
-
-        rows, dx, dw, _ = run_chunks(x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw,
-                                     want_db=False, accum_dtype=accum_dtype,
-                                     row_bound=lambda: grad_bounds.kl_div(probs, temperature=temperature,
-                                                                          log_target=log_target),
-                                     vocab_parallel=vocab_parallel)
-        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
-
-    return fused_linear_kl_div

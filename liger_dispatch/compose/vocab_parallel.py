@@ -10,15 +10,18 @@ statistics. The loss rows follow from the global statistics, so every rank compu
 buffer exists anywhere. Collectives of one call:
 
     vocab sizes (process_group= only; a DTensor's split is known)    1 all-gather of W int64, read on the host
-    flce, fused_linear_kl_div                                        1 all-gather a chunk ([C, 3] / [C, 4] fp32)
-    fused_linear_jsd                                                 1 all-gather ([C, 2]) + 1 all-reduce ([C, 2])
+    per chunk, the statistics (the op family's layout)               1 all-gather of [C, k] fp32 (and what the
+                                                                     family adds: one all-reduce of [C, 2] for JSD)
     input gradient                                                   1 all-reduce SUM of dX [N, H]
     fp16 inputs only: the gradient buffers' scale                     1 all-reduce SUM of a [N] fp32 bound
 
-flce with reduction="none" runs its chunks again in the backward (sizes and statistics again, then dX).
+A loss per row (reduction="none") runs its chunks again in the backward (sizes and statistics again, then dX).
 
-Where it plugs in: the dispatcher serves a user-level call whose `process_group` is set with `serving(impl, a, pinned)`,
-the driver on the selected implementation's backend (its kernel-level vocab-parallel ops); process_group is a
+What is specific to an op is its family's `VocabParallel` declaration (OpSpec.vocab_parallel): the weight argument,
+the tensors split like the vocabulary and those every rank holds whole, and the composition's kernel-level op over
+one slice (made from the shard and the vocab-parallel kernel-level ops). Where it plugs in: the dispatcher serves a
+user-level call whose `process_group` is set with `serving(spec, impl, a, pinned)`, the driver on the selected
+implementation's backend (its kernel-level vocab-parallel ops); process_group is a
 ProcessGroup, its group name (the torch op's string argument), or the VocabShard `localized` made. A weight that is
 a DTensor sharded on dim 0 over a 1-D mesh is `localized` by the handle first: the input must then be a DTensor too
 (redistributed to Replicate), the other vocab-sliced tensors (bias, the teacher's weight, the KL target) DTensors
@@ -36,47 +39,54 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from liger_dispatch.compose import fused_linear
 from liger_dispatch.core import selection
 from liger_dispatch.errors import InputError
-from liger_dispatch.registry import checks
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE
 
-# the user-level ops with a vocab-parallel path, and the name of their weight argument
-WEIGHT_ARGUMENT = {"flce": "weight", "fused_linear_jsd": "student_weight", "fused_linear_kl_div": "student_weight"}
-# each op's tensors split like the vocabulary (name: dim), and those every rank holds whole (name: a plain tensor
-# is accepted beside a DTensor weight; the input is not, so a sharded FSDP parameter read outside its forward is
-# refused instead of taken for a vocabulary slice)
-SLICED = {"flce": {"weight": 0, "bias": 0}, "fused_linear_jsd": {"student_weight": 0, "teacher_weight": 0},
-          "fused_linear_kl_div": {"student_weight": 0, "target": -1}}
-REPLICATED = {"flce": {"input": False, "target": True},
-              "fused_linear_jsd": {"student_input": False, "teacher_input": True, "shift_labels": True},
-              "fused_linear_kl_div": {"student_input": False, "shift_labels": True}}
+@dataclass(frozen=True)
+class VocabParallel:
+    """How an op family's user-level loss runs with its vocabulary split over a process group.
+
+    weight: the argument that is this rank's slice of the vocabulary.
+    sliced: the tensors split like the vocabulary, name -> dim.
+    replicated: the tensors every rank holds whole, name -> whether a plain tensor is accepted beside a DTensor
+        weight (the input is not, so a sharded FSDP parameter read outside its forward is refused instead of taken
+        for a vocabulary slice).
+    kernel: kernel(shard, kernels) -> the composition's kernel-level op over this rank's slice, where
+        kernels(op, *args, **kwargs) runs a vocab-parallel kernel-level op of the selected backend.
+    """
+
+    weight: str
+    sliced: dict
+    replicated: dict
+    kernel: Callable
+
 
 # all_gather_into_tensor was renamed all_gather_single in torch 2.13; the GPU image has 2.11
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def serving(impl, a: Args, pinned: tuple[str, ...]) -> Callable:
+def serving(spec, impl, a: Args, pinned: tuple[str, ...]) -> Callable:
     """What serves a call of a user-level loss: impl.fn, or, when the call has a process_group, the vocab-parallel
-    driver (the compositions' signature and return contract) on the vocab-parallel kernels of impl's backend when
+    driver (the composition's signature and return contract) on the vocab-parallel kernels of impl's backend when
     the handle pinned it, else of the backend selection picks for them (use_backend and LIGER_BACKEND hold)."""
     if getattr(a, "process_group", None) is None:
         return impl.fn
-    return functools.partial(_DRIVERS[impl.op], _Kernels(impl.backend if pinned else None))
+    return functools.partial(_driver, spec, _Kernels(impl.backend if pinned else None))
 
 
 def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
     """A call whose weight is a DTensor sharded on the vocabulary as the same call on this rank's local tensors, with
     process_group the shard; any other call as it is."""
-    if not _is_dtensor(getattr(a, WEIGHT_ARGUMENT[spec.name])):
+    declared = spec.vocab_parallel
+    if not _is_dtensor(getattr(a, declared.weight)):
         return a, args, kwargs
-    layout = _DTensorLayout(getattr(a, WEIGHT_ARGUMENT[spec.name]), a.process_group)
+    layout = _DTensorLayout(getattr(a, declared.weight), a.process_group)
     values = dict(a.__dict__)
-    for name, dim in SLICED[spec.name].items():
+    for name, dim in declared.sliced.items():
         values[name] = layout.sliced(name, values[name], dim)
-    for name, plain_ok in REPLICATED[spec.name].items():
+    for name, plain_ok in declared.replicated.items():
         values[name] = layout.replicated(name, values[name], plain_ok)
     values["process_group"] = layout.shard
     local = Args(values)
@@ -161,44 +171,33 @@ def combine(gathered: torch.Tensor, lse_columns: int) -> torch.Tensor:
     return total
 
 
-def ce_rows(stats: torch.Tensor, target: torch.Tensor, *, vocab_size: int, ignore_index: int,
-            label_smoothing: float, lse_square_scale: float) -> torch.Tensor:
-    """Per-row cross-entropy from the global ce_vp_stats (lse, z_target, sum z)."""
-    lse, z_target, z_sum = stats.unbind(1)
-    eps = label_smoothing
-    loss = (1.0 - eps) * (lse - z_target) + eps * (lse - z_sum / vocab_size) + lse_square_scale * lse * lse
-    return torch.where(target != ignore_index, loss, 0.0)
-
-
-def kl_div_rows(stats: torch.Tensor) -> torch.Tensor:
-    """Per-row KL from the global kl_div_vp_stats (lse, sum q, sum q log q, sum q s); ignored rows are all 0."""
-    lse, q_sum, q_log_q, q_s = stats.unbind(1)
-    return q_log_q - q_s + lse * q_sum
-
-
 class _Kernels:
-    """The vocab-parallel kernel-level ops: `backend`'s where it implements one, else the one selection picks (it
-    warns only if that is the reference while a better backend exists)."""
+    """The vocab-parallel kernel-level ops of one call: `backend`'s where it implements one, else the one selection
+    picks (it warns only if that is the reference while a better backend exists); each op selected once a call."""
 
     def __init__(self, backend: Optional[str]):
         self.backend = backend
-        self._pinned: dict[str, tuple[str, ...]] = {}
+        self._fns: dict[str, Callable] = {}
 
     def __call__(self, op: str, *args, **kwargs):
-        pinned = self._pinned.get(op)
-        if pinned is None:
+        fn = self._fns.get(op)
+        if fn is None:
             implements = any(impl.backend == self.backend for impl in TABLE.candidates(op))
-            pinned = self._pinned[op] = (self.backend,) if implements else ()
-        return selection.select(op, pinned, args, kwargs).fn(*args, **kwargs)
+            fn = self._fns[op] = selection.select(op, (self.backend,) if implements else (), args, kwargs).fn
+        return fn(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- where the tensors are
 
 
 def _dtensor_types():
-    """(DTensor, Replicate, Shard), or None while torch.distributed.tensor is not imported (then no DTensor exists)."""
+    """(DTensor, Replicate, Shard), or None while torch.distributed.tensor is not imported (then no DTensor exists).
+    Another thread may be importing it: a module still without DTensor holds no DTensor yet either."""
     module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else (module.DTensor, module.Replicate, module.Shard)
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None:
+        return None
+    return dtensor, getattr(module, "Replicate"), getattr(module, "Shard")
 
 
 def _is_dtensor(t) -> bool:
@@ -247,73 +246,8 @@ class _DTensorLayout:
                          "too: read the weight inside the forward (liger_dispatch.nn.LMHeadLoss)")
 
 
-# ---------------------------------------------------------------- kernel-level stand-ins for the composition
-
-
-def _ce_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
-    """ce_loss_and_grad of the composition, over this rank's slice."""
-
-    def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-                         lse_square_scale=0.0):
-        # the op's own class check saw one slice (flce_classes skips a vocab-parallel call)
-        checks.class_indices("target", target, shard.total, ignore_index)
-        stats = kernels("ce_vp_stats", logits, target, vocab_start=shard.start, ignore_index=ignore_index,
-                        softcap=softcap)
-        total = shard.combine(stats, lse_columns=1)
-        kernels("ce_vp_grad", logits, target, total[:, 0], vocab_start=shard.start, vocab_size=shard.total,
-                grad_scale=grad_scale, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-                lse_square_scale=lse_square_scale)
-        return ce_rows(total, target, vocab_size=shard.total, ignore_index=ignore_index,
-                       label_smoothing=label_smoothing, lse_square_scale=lse_square_scale)
-
-    return ce_loss_and_grad
-
-
-def _jsd_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
-    """jsd_loss_and_grad of the composition, over this rank's slice."""
-
-    def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100,
-                          temperature=1.0, grad_scale=None):
-        common = dict(ignore_index=ignore_index, temperature=temperature)
-        lse = shard.combine(kernels("jsd_vp_stats", student_logits, teacher_logits, labels, **common), lse_columns=2)
-        sums = kernels("jsd_vp_sums", student_logits, teacher_logits, lse, labels, beta=beta, **common)
-        shard.sum_over_ranks(sums)
-        kernels("jsd_vp_grad", student_logits, teacher_logits, lse, sums, labels, beta=beta, grad_scale=grad_scale,
-                **common)
-        return sums[:, 0]
-
-    return jsd_loss_and_grad
-
-
-def _kl_div_kernel(shard: VocabShard, kernels: _Kernels) -> Callable:
-    """kl_div_loss_and_grad of the composition, over this rank's slice."""
-
-    def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
-                             log_target=False, grad_scale=None):
-        common = dict(ignore_index=ignore_index, temperature=temperature, log_target=log_target)
-        stats = kernels("kl_div_vp_stats", student_logits, target, labels, eps=eps, **common)
-        total = shard.combine(stats, lse_columns=1)
-        kernels("kl_div_vp_grad", student_logits, target, total[:, 0], total[:, 1], labels, grad_scale=grad_scale,
-                **common)
-        return kl_div_rows(total)
-
-    return kl_div_loss_and_grad
-
-
-# ---------------------------------------------------------------- the user-level ops
-
-
-def _driver(op: str, compose: Callable, stand_in: Callable) -> Callable:
-    """A user-level loss over this rank's slice: the composition of the backend's stand-in kernel-level op."""
-
-    def vocab_parallel_op(kernels, *args, process_group, **options):
-        weight = args[1] if len(args) > 1 else options[WEIGHT_ARGUMENT[op]]
-        shard = VocabShard.of(process_group, weight)
-        return compose(stand_in(shard, kernels), shard)(*args, **options)
-
-    return vocab_parallel_op
-
-
-_DRIVERS = {"flce": _driver("flce", fused_linear.compose_flce, _ce_kernel),
-            "fused_linear_jsd": _driver("fused_linear_jsd", fused_linear.compose_jsd, _jsd_kernel),
-            "fused_linear_kl_div": _driver("fused_linear_kl_div", fused_linear.compose_kl_div, _kl_div_kernel)}
+def _driver(spec, kernels: _Kernels, *args, process_group, **options):
+    """A user-level loss over this rank's slice: its composition of the family's kernel over the slice."""
+    weight = args[1] if len(args) > 1 else options[spec.vocab_parallel.weight]
+    shard = VocabShard.of(process_group, weight)
+    return spec.compose(spec.vocab_parallel.kernel(shard, kernels), shard)(*args, **options)

@@ -38,12 +38,6 @@ class TensorSpec:
         return len(self.shape)
 
 
-def resolve(path: str) -> Callable:
-    """The object a "module:attribute" path names (compositions are named, not imported, by the registry)."""
-    module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
 @dataclass(frozen=True, eq=False)
 class OpSpec:
     """An abstract op: its schema (written once) and what the dispatcher needs to serve it.
@@ -54,7 +48,7 @@ class OpSpec:
         InputError naming the bad argument. It reads shapes, dtypes and options only: it also runs while
         torch.compile traces. Checks that need tensor values are `value_check`, run where the op runs.
     composed_of / compose: for user-level ops built from kernel-level ops; every backend that implements all of
-        `composed_of` serves this op through `compose(*kernel_fns)` ("module:function", imported on first use).
+        `composed_of` serves this op through `compose(*kernel_fns)`.
     probe: probe(a) -> (args, kwargs) of the kernel-level call the composition will make, with a TensorSpec
         standing for each tensor it will make, so the kernel's capability predicate judges it.
     differentiable: for user-level ops, the tensor parameters that get gradients.
@@ -62,6 +56,9 @@ class OpSpec:
         schema, e.g. which gradients to compute in the forward pass.
     autocast: the tensor parameters cast to the autocast dtype under torch.autocast, as for F.linear.
     fake: fake(a) -> the op's outputs as empty tensors of the right shapes and dtypes (torch.compile traces with it).
+    saved: for a user-level op with a backward of its own (its implementation has a `backward` method), what the
+        implementation returns after the op's outputs for that backward, as schema parameters ("Tensor mix, ...").
+    vocab_parallel: for a user-level loss with a vocab-parallel path, its compose.vocab_parallel.VocabParallel.
     """
 
     schema_text: str
@@ -70,12 +67,14 @@ class OpSpec:
     value_check: Optional[Callable[[Args], None]] = None
     aliases: tuple[str, ...] = ()
     composed_of: tuple[str, ...] = ()
-    compose: Optional[str] = None
+    compose: Optional[Callable] = None
     probe: Optional[Callable[[Args], tuple[tuple, dict]]] = None
     differentiable: tuple[str, ...] = ()
     impl_extra: str = ""
     fake: Optional[Callable[[Args], object]] = None
     autocast: tuple[str, ...] = ()
+    saved: str = ""
+    vocab_parallel: Optional[object] = None
     summary: str = ""
     schema: OpSchema = field(init=False)
     extra: OpSchema = field(init=False)
@@ -263,7 +262,7 @@ class OpTable:
                     raise ValueError(f"backend {backend!r} registers {part.op} and {first.op} with different "
                                      f"capabilities or priorities; a composed {spec.name} needs them equal")
             capability = replace(first.capability, predicate=_probed(first.capability.predicate, spec))
-            impl = Impl(spec.name, backend, resolve(spec.compose)(*(p.fn for p in parts)), first.priority, capability,
+            impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl

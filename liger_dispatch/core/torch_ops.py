@@ -10,8 +10,8 @@ Two ways in, one set of implementations:
 
 The torch.library schema of an op is its own schema plus, keyword-only, its implementations' extra parameters and
 `str? backend=None`. A fused-linear loss computes its gradients in the forward pass, so its op returns them after
-the loss (empty tensors for the ones not asked for by `need_grads`); mhc_coeffs returns mix and rstd after the
-three coefficients, for its backward.
+the loss (empty tensors for the ones not asked for by `need_grads`); an op with a backward of its own returns what
+its backward needs (OpSpec.saved) after its outputs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _grads_in_forward(spec: OpSpec) -> bool:
 
 
 def _row_losses(a: Args) -> bool:
-    """A loss returned per row (flce reduction="none"): its backward recomputes with the rows' weights."""
+    """A loss returned per row (reduction="none"): its backward recomputes with the rows' weights."""
     return getattr(a, "reduction", None) == "none"
 
 
@@ -79,19 +79,19 @@ class _RowLosses(torch.autograd.Function):
 
 
 class _WithBackward(torch.autograd.Function):
-    """An op whose implementation has a backward of its own (mhc_coeffs): outputs, then (mix, rstd) saved."""
+    """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
 
     @staticmethod
-    def forward(ctx, fn, options, *tensors):
-        *outputs, mix, rstd = fn(*tensors, **options)
-        ctx.save_for_backward(*tensors, mix, rstd)
+    def forward(ctx, fn, options, outputs, *tensors):
+        results = fn(*tensors, **options)
+        ctx.save_for_backward(*tensors, *results[outputs:])
         ctx.fn, ctx.options = fn, options
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-        return tuple(outputs)
+        return tuple(results[:outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
+        return None, None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -123,7 +123,7 @@ def _selected(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwarg
     vocab-parallel driver on it for a call with a process_group), after the op's value checks."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
     _checked(spec, fallback, a)
-    return (impl.fn if spec.level == "kernel" else vocab_parallel.serving(impl, a, pinned)), fallback
+    return (impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)), fallback
 
 
 def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
@@ -167,9 +167,10 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
 
 
 def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
-    """launch for an op whose implementation has a backward of its own (mhc_coeffs): its options, when no tensor is
+    """launch for an op whose implementation has a backward of its own: its options, when no tensor is
     among them, are the same in every call of the signature, so they are read once."""
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
+    outputs = _returns(spec.schema_text)
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -177,7 +178,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     def launch(a, args, kwargs):
         tensors = positional(a)
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
-        return _apply(_WithBackward, (fn, options), tensors) if grads else fn(*tensors, **options)[:3]
+        return _apply(_WithBackward, (fn, options, outputs), tensors) if grads else fn(*tensors, **options)[:outputs]
 
     return launch
 
@@ -304,10 +305,20 @@ def _define_loss(spec: OpSpec) -> None:
     torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
 
 
+def _returns(schema_text: str) -> int:
+    """How many tensors a schema returns."""
+    returns = schema_text.rpartition("->")[2].strip()
+    return returns.count("Tensor") if returns.startswith("(") else 1
+
+
 def _define_with_backward(spec: OpSpec) -> None:
-    """mhc_coeffs: (the op's outputs, then mix and rstd); its backward is a second op, `<name>_backward`."""
+    """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
+    its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
+    optional gradient per output, and returning one gradient per differentiable input."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
+    outputs = _returns(spec.schema_text)
+    saved = [p.strip() for p in spec.saved.split(",")]
 
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
@@ -319,38 +330,37 @@ def _define_with_backward(spec: OpSpec) -> None:
         return spec.fake(_bind(spec, args, kwargs)[0])
 
     own_positional, keyword, _ = _split(spec.schema_text)
-    _LIB.define(_torch_schema(spec, "(Tensor, Tensor, Tensor, Tensor, Tensor)"))
-    grads = ["Tensor mix", "Tensor rstd", "Tensor? grad_h_pre", "Tensor? grad_h_post", "Tensor? grad_h_res"]
-    _LIB.define(_op_schema(backward_name, [*own_positional, *grads], [*keyword, "str? backend=None"],
-                           "(Tensor, Tensor, Tensor)"))
+    _LIB.define(_torch_schema(spec, "(" + ", ".join(["Tensor"] * (outputs + len(saved))) + ")"))
+    grads = [f"Tensor? grad_{i}" for i in range(outputs)]
+    _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads], [*keyword, "str? backend=None"],
+                           "(" + ", ".join(["Tensor"] * len(spec.differentiable)) + ")"))
 
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
+    where = [positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
 
     def backward_impl(*args, backend=None, **options):
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
         fn = selection.select(spec.name, selection.parse_backends(backend), tensors, options).fn
-        grad_x, grad_phi, *small = fn.backward(*args, **options)
-        return grad_x, grad_phi, torch.cat([g.reshape(-1).to(torch.float32) for g in small])
+        grads = fn.backward(*args, **options)
+        return tuple(g.reshape(tensors[i].shape).to(tensors[i].dtype) for i, g in zip(where, grads))
 
     def backward_fake(*args, backend=None, **options):
-        x, phi = args[0], args[1]
-        return torch.empty_like(x), torch.empty_like(phi), x.new_empty(phi.shape[1] + 3, dtype=torch.float32)
+        return tuple(torch.empty_like(args[i]) for i in where)
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
-        ctx.save_for_backward(*inputs, output[3], output[4])
+        ctx.save_for_backward(*inputs, *output[outputs:])
         ctx.keywords = keyword_only_inputs
-        ctx.mark_non_differentiable(output[3], output[4])
+        ctx.mark_non_differentiable(*output[outputs:])
         ctx.set_materialize_grads(False)
 
-    def backward(ctx, grad_pre, grad_post, grad_res, *_):
-        tensors = ctx.saved_tensors
-        grad_x, grad_phi, small = getattr(torch.ops.liger_dispatch, backward_name)(
-            *tensors, grad_pre, grad_post, grad_res, **ctx.keywords)
-        n = tensors[1].shape[1]
-        b, alphas = tensors[2], tensors[3:6]
-        return (grad_x, grad_phi, small[:n].to(b.dtype),
-                *(small[n + i].reshape(alpha.shape).to(alpha.dtype) for i, alpha in enumerate(alphas)))
+    def backward(ctx, *grad_outputs):
+        grads = getattr(torch.ops.liger_dispatch, backward_name)(*ctx.saved_tensors, *grad_outputs[:outputs],
+                                                                 **ctx.keywords)
+        result = [None] * len(positional)
+        for i, g in zip(where, grads):
+            result[i] = g
+        return tuple(result)
 
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
@@ -387,7 +397,7 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
         if options.get("process_group") is not None:  # the op takes a group by its name
             options["process_group"] = vocab_parallel.group_name(options["process_group"])
         return op(*positional, **options, need_grads=need, backend=backend)[0]
-    return op(*positional, **options, backend=backend)[:3]
+    return op(*positional, **options, backend=backend)[:_returns(spec.schema_text)]
 
 
 for _spec in (TABLE.spec(name) for name in TABLE.op_names()):

@@ -1,0 +1,176 @@
+"""Generalized Jensen-Shannon divergence between a student's and a teacher's LM heads, for distillation: the
+user-level `fused_linear_jsd` and the kernel-level ops it is composed of.
+
+    fused_linear_jsd(student_input [..., H], student_weight [V, H], teacher_input, teacher_weight, shift_labels?)
+    jsd_loss_and_grad(student_logits [C, V], teacher_logits [C, V], labels?) -> loss rows; student logits overwritten
+    jsd_vp_stats / jsd_vp_sums / jsd_vp_grad: the same over one rank's vocabulary slice (vocab-parallel)
+
+s = student logits / T, t = teacher logits / T, q = softmax(s), p = softmax(t). beta = 0: KL(p || q); beta = 1:
+KL(q || p); otherwise with m = beta p + (1 - beta) q: beta KL(p || m) + (1 - beta) KL(q || m). Mean over the
+non-ignored rows, times T^2 when asked; the teacher is never differentiated. Vocab-parallel: per row, the slice's
+(lse of s, lse of t), combined by log-sum-exp; then the slice's (loss, cross term), summed over the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from liger_dispatch.compose import fused_linear as fl
+from liger_dispatch.compose.grad_bounds import Bound, logit_bound
+from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
+from liger_dispatch.core.table import OpSpec
+from liger_dispatch.registry import checks as c
+from liger_dispatch.registry import heads
+
+KERNEL_SCHEMA = ("jsd_loss_and_grad(Tensor(a!) student_logits, Tensor teacher_logits, Tensor? labels=None, *, "
+                 "float beta=0.5, int ignore_index=-100, float temperature=1.0, Tensor? grad_scale=None) -> Tensor")
+SCHEMA = ("fused_linear_jsd(Tensor student_input, Tensor student_weight, Tensor teacher_input, "
+          "Tensor teacher_weight, Tensor? shift_labels=None, *, float jsd_beta=0.5, int ignore_index=-100, "
+          "float temperature=1.0, bool scale_by_temperature_squared=False, ScalarType? accum_dtype=None, "
+          "str? process_group=None) -> Tensor")
+VP_STATS_SCHEMA = ("jsd_vp_stats(Tensor student_logits, Tensor teacher_logits, Tensor? labels=None, *, "
+                   "int ignore_index=-100, float temperature=1.0) -> Tensor")
+VP_SUMS_SCHEMA = ("jsd_vp_sums(Tensor student_logits, Tensor teacher_logits, Tensor lse, Tensor? labels=None, *, "
+                  "float beta=0.5, int ignore_index=-100, float temperature=1.0) -> Tensor")
+VP_GRAD_SCHEMA = ("jsd_vp_grad(Tensor(a!) student_logits, Tensor teacher_logits, Tensor lse, Tensor sums, "
+                  "Tensor? labels=None, *, float beta=0.5, int ignore_index=-100, float temperature=1.0, "
+                  "Tensor? grad_scale=None) -> ()")
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_fused_linear_jsd(a):
+    n, vocab = heads.head("student_input", a.student_input, "student_weight", a.student_weight)
+    n_t, vocab_t = heads.head("teacher_input", a.teacher_input, "teacher_weight", a.teacher_weight)
+    c.dim_equals("teacher_input", n_t, n, "number of rows", "student_input's")
+    c.dim_equals("teacher_weight", vocab_t, vocab, "vocabulary size (dim 0)", "student_weight's")
+    c.same_device(student_input=a.student_input, student_weight=a.student_weight, teacher_input=a.teacher_input,
+                  teacher_weight=a.teacher_weight, shift_labels=a.shift_labels)
+    c.in_range("jsd_beta", a.jsd_beta, 0.0, 1.0)
+    c.positive("temperature", a.temperature)
+    c.integer("ignore_index", a.ignore_index)
+    heads.labels("shift_labels", a.shift_labels, n)
+    heads.accum_dtype(a.accum_dtype)
+
+
+def check_kernel(a):
+    n = heads.student_and("teacher_logits", a)
+    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+    c.in_range("beta", a.beta, 0.0, 1.0)
+
+
+def check_vp_stats(a):
+    heads.student_and("teacher_logits", a)
+
+
+def check_vp_sums(a):
+    check_vp_stats(a)
+    heads.row_stats("lse", a.lse, a.student_logits.shape[0], 2)
+    c.same_device(student_logits=a.student_logits, lse=a.lse)
+    c.in_range("beta", a.beta, 0.0, 1.0)
+
+
+def check_vp_grad(a):
+    check_vp_sums(a)
+    n = a.student_logits.shape[0]
+    heads.row_stats("sums", a.sums, n, 2)
+    c.same_device(student_logits=a.student_logits, sums=a.sums, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+
+
+def probe(a):
+    return ((heads.logits_spec(a.student_input, a.student_weight), heads.logits_spec(a.teacher_input, a.teacher_weight),
+             heads.rows_spec(a.shift_labels)), dict(beta=a.jsd_beta, ignore_index=a.ignore_index,
+                                                    temperature=a.temperature))
+
+
+# ---------------------------------------------------------------- the composition
+
+
+def grad_bound(teacher_x, teacher_weight, *, beta, temperature) -> Bound:
+    """A bound of each row's gradient L1 norm over the raw student logits (fp16 buffers, grad_bounds.py). beta < 1:
+    2 / T (for 0 < beta < 1 the gradient is a - q sum(a) with a = (1 - beta) q log(q / m), whose L1 norm is at most
+    2 / e since m >= (1 - beta) q); beta = 1: a = q log(q / p), so 2 (1/e + max_j -log p_j) / T with
+    -log p_j <= range of the teacher's logits / T + log V."""
+    if beta < 1.0:
+        return 2.0 / temperature
+    neg_log_p = 2.0 * logit_bound(teacher_x, teacher_weight) / temperature + math.log(teacher_weight.shape[0])
+    return 2.0 * (1.0 / math.e + neg_log_p) / temperature
+
+
+def compose(kernel, vocab_parallel=None):
+    """fused_linear_jsd from a backend's jsd_loss_and_grad; the teacher is never differentiated."""
+
+    def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
+                         jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
+                         accum_dtype=None, process_group=None, need_grads=()):
+        want_dx, want_dw = fl.wanted_grads(need_grads, 2)
+        x = fl.flat(student_input, student_input.shape[-1])
+        xt = fl.flat(teacher_input, teacher_input.shape[-1])
+        labels = None if shift_labels is None else fl.flat(shift_labels).long()
+        count = fl.valid_count(labels, x.shape[0], ignore_index, x.device)
+        factor = temperature * temperature if scale_by_temperature_squared else 1.0
+        scale = factor / count
+        teacher = []  # the teacher's logits buffer, made by the first chunk: the largest
+
+        def chunk_loss(logits, start, end, chunk_scale):
+            if not teacher:
+                teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
+            t_logits = teacher[0][: end - start]
+            torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
+            chunk_labels = None if labels is None else labels[start:end]
+            return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
+                          temperature=temperature, grad_scale=chunk_scale)
+
+        rows, dx, dw, _ = fl.run_chunks(
+            x, student_weight, None, scale, chunk_loss, extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
+            want_dw=want_dw, want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
+            row_bound=lambda: grad_bound(xt, teacher_weight, beta=jsd_beta, temperature=temperature))
+        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
+
+    return fused_linear_jsd
+
+
+# ---------------------------------------------------------------- vocab-parallel
+
+
+def vocab_parallel_kernel(shard: VocabShard, kernels):
+    """jsd_loss_and_grad of the composition, over this rank's slice."""
+
+    def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, ignore_index=-100,
+                          temperature=1.0, grad_scale=None):
+        common = dict(ignore_index=ignore_index, temperature=temperature)
+        lse = shard.combine(kernels("jsd_vp_stats", student_logits, teacher_logits, labels, **common), lse_columns=2)
+        sums = kernels("jsd_vp_sums", student_logits, teacher_logits, lse, labels, beta=beta, **common)
+        shard.sum_over_ranks(sums)
+        kernels("jsd_vp_grad", student_logits, teacher_logits, lse, sums, labels, beta=beta, grad_scale=grad_scale,
+                **common)
+        return sums[:, 0]
+
+    return jsd_loss_and_grad
+
+
+OPS = (
+    OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, fake=heads.fake_rows,
+           summary="per-row JSD of student vs teacher logits; gradient written into the student's"),
+    OpSpec(VP_STATS_SCHEMA, "kernel", check_vp_stats, fake=heads.fake_stats(2),
+           summary="vocab-parallel JSD: a slice's lse of student and teacher"),
+    OpSpec(VP_SUMS_SCHEMA, "kernel", check_vp_sums, fake=heads.fake_stats(2),
+           summary="vocab-parallel JSD: a slice's part of the loss and cross term"),
+    OpSpec(VP_GRAD_SCHEMA, "kernel", check_vp_grad, fake=heads.fake_in_place,
+           summary="vocab-parallel JSD: a slice's gradient from the global stats"),
+    OpSpec(SCHEMA, "user", check_fused_linear_jsd, composed_of=("jsd_loss_and_grad",), compose=compose, probe=probe,
+           differentiable=("student_input", "student_weight"),
+           autocast=("student_input", "student_weight", "teacher_input", "teacher_weight"), impl_extra=heads.NEED_GRADS,
+           fake=heads.fake_scalar_loss,
+           vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "teacher_weight": 0},
+                                        replicated={"student_input": False, "teacher_input": True,
+                                                    "shift_labels": True}, kernel=vocab_parallel_kernel),
+           summary="fused linear generalized JSD for distillation"),
+)
+BACKEND_MODULES = {"jsd_loss_and_grad": "jsd", "jsd_vp_stats": "vocab_parallel", "jsd_vp_sums": "vocab_parallel",
+                   "jsd_vp_grad": "vocab_parallel"}

@@ -1,0 +1,175 @@
+"""KL divergence of a student's LM head against explicit target probabilities, for distillation: the user-level
+`fused_linear_kl_div` and the kernel-level ops it is composed of.
+
+    fused_linear_kl_div(student_input [..., H], student_weight [V, H], target [..., V], shift_labels?) -> loss
+    kl_div_loss_and_grad(student_logits [C, V], target [C, V], labels?) -> loss rows; student logits overwritten
+    kl_div_vp_stats / kl_div_vp_grad: the same over one rank's vocabulary slice (vocab-parallel)
+
+Per row KL(target || softmax(s / T)) = sum_j q_j (log max(q_j, eps) - log_softmax(s / T)_j), 0 log 0 = 0; `target`
+holds probabilities, or log-probabilities with log_target=True. batchmean: sum / non-ignored rows; mean: sum /
+(non-ignored rows * V); sum: sum. Vocab-parallel statistics per row of a slice: (lse, sum q, sum q log q,
+sum q s), combined by a log-sum-exp of the first column and sums of the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from liger_dispatch.compose import fused_linear as fl
+from liger_dispatch.compose.grad_bounds import TEMP_ELEMENTS, Bound, norm, wide
+from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
+from liger_dispatch.core.table import OpSpec
+from liger_dispatch.errors import InputError
+from liger_dispatch.registry import checks as c
+from liger_dispatch.registry import heads
+
+KERNEL_SCHEMA = ("kl_div_loss_and_grad(Tensor(a!) student_logits, Tensor target, Tensor? labels=None, *, "
+                 "int ignore_index=-100, float temperature=1.0, float eps=1e-10, bool log_target=False, "
+                 "Tensor? grad_scale=None) -> Tensor")
+SCHEMA = ("fused_linear_kl_div(Tensor student_input, Tensor student_weight, Tensor target, "
+          "Tensor? shift_labels=None, *, str reduction='batchmean', int ignore_index=-100, "
+          "float temperature=1.0, float eps=1e-10, bool log_target=False, ScalarType? accum_dtype=None, "
+          "str? process_group=None) -> Tensor")
+VP_STATS_SCHEMA = ("kl_div_vp_stats(Tensor student_logits, Tensor target, Tensor? labels=None, *, "
+                   "int ignore_index=-100, float temperature=1.0, float eps=1e-10, bool log_target=False) -> Tensor")
+VP_GRAD_SCHEMA = ("kl_div_vp_grad(Tensor(a!) student_logits, Tensor target, Tensor lse, Tensor target_sum, "
+                  "Tensor? labels=None, *, int ignore_index=-100, float temperature=1.0, bool log_target=False, "
+                  "Tensor? grad_scale=None) -> ()")
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_fused_linear_kl_div(a):
+    if a.reduction == "none":
+        raise InputError("reduction='none' is not supported by fused_linear_kl_div: the gradient is produced in the "
+                         "forward pass chunk by chunk and needs a scalar loss; use 'batchmean', 'mean' or 'sum'")
+    n, vocab = heads.head("student_input", a.student_input, "student_weight", a.student_weight)
+    c.tensor("target", a.target, min_ndim=1, floating=True)
+    c.dim_equals("target", a.target.shape[-1], vocab, "last dim (vocabulary size)", "student_weight's dim 0")
+    c.rows("target", a.target.shape[:-1].numel(), n)
+    c.same_device(student_input=a.student_input, student_weight=a.student_weight, target=a.target,
+                  shift_labels=a.shift_labels)
+    c.choice("reduction", a.reduction, ("batchmean", "mean", "sum"))
+    c.positive("temperature", a.temperature)
+    c.non_negative("eps", a.eps)
+    c.integer("ignore_index", a.ignore_index)
+    heads.labels("shift_labels", a.shift_labels, n)
+    heads.accum_dtype(a.accum_dtype)
+
+
+def check_kernel(a):
+    n = heads.student_and("target", a)
+    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+    c.non_negative("eps", a.eps)
+
+
+def check_vp_stats(a):
+    heads.student_and("target", a)
+    c.non_negative("eps", a.eps)
+
+
+def check_vp_grad(a):
+    n = heads.student_and("target", a)
+    heads.row_stats("lse", a.lse, n, None)
+    heads.row_stats("target_sum", a.target_sum, n, None)
+    c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)
+    c.grad_scale(a.grad_scale, n)
+
+
+def probe(a):
+    return ((heads.logits_spec(a.student_input, a.student_weight), heads.rows_by_last(a.target),
+             heads.rows_spec(a.shift_labels)),
+            dict(ignore_index=a.ignore_index, temperature=a.temperature, eps=a.eps, log_target=a.log_target))
+
+
+# ---------------------------------------------------------------- the composition
+
+
+def grad_bound(target: torch.Tensor, *, temperature, log_target) -> Bound:
+    """A bound of each row's gradient L1 norm over the raw student logits (fp16 buffers, grad_bounds.py): the
+    gradient is (p sum(q) - q) / T, so 2 sum_j |q_j| / T (q = exp(target) for log-targets); target [N, V]."""
+    if not log_target:
+        mass = norm(target, 1, dim=-1)
+    else:  # sum_j exp(target_ij), row pieces at a time: exp needs a temporary
+        step = max(1, TEMP_ELEMENTS // max(1, target.shape[1]))
+        mass = torch.cat([torch.logsumexp(t.to(wide(t)), dim=-1).exp() for t in target.split(step)])
+    return 2.0 * mass / temperature
+
+
+def compose(kernel, vocab_parallel=None):
+    """fused_linear_kl_div from a backend's kl_div_loss_and_grad."""
+
+    def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
+                            ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
+                            process_group=None, need_grads=()):
+        want_dx, want_dw = fl.wanted_grads(need_grads, 2)
+        x = fl.flat(student_input, student_input.shape[-1])
+        vocab = student_weight.shape[0]
+        probs = fl.flat(target, vocab)
+        if probs.stride(-1) != 1:
+            probs = probs.contiguous()
+        labels = None if shift_labels is None else fl.flat(shift_labels).long()
+        if reduction == "sum":
+            scale = torch.ones((), device=x.device)
+        else:
+            count = fl.valid_count(labels, x.shape[0], ignore_index, x.device)
+            total = vocab if vocab_parallel is None else vocab_parallel.total
+            scale = 1.0 / (count * total if reduction == "mean" else count)
+
+        def chunk_loss(logits, start, end, chunk_scale):
+            chunk_labels = None if labels is None else labels[start:end]
+            return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index, temperature=temperature,
+                          eps=eps, log_target=log_target, grad_scale=chunk_scale)
+
+        rows, dx, dw, _ = fl.run_chunks(
+            x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=False,
+            accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
+            row_bound=lambda: grad_bound(probs, temperature=temperature, log_target=log_target))
+        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
+
+    return fused_linear_kl_div
+
+
+# ---------------------------------------------------------------- vocab-parallel
+
+
+def loss_rows(stats: torch.Tensor) -> torch.Tensor:
+    """Per-row KL from the global kl_div_vp_stats (lse, sum q, sum q log q, sum q s); ignored rows are all 0."""
+    lse, q_sum, q_log_q, q_s = stats.unbind(1)
+    return q_log_q - q_s + lse * q_sum
+
+
+def vocab_parallel_kernel(shard: VocabShard, kernels):
+    """kl_div_loss_and_grad of the composition, over this rank's slice."""
+
+    def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-100, temperature=1.0, eps=1e-10,
+                             log_target=False, grad_scale=None):
+        common = dict(ignore_index=ignore_index, temperature=temperature, log_target=log_target)
+        stats = kernels("kl_div_vp_stats", student_logits, target, labels, eps=eps, **common)
+        total = shard.combine(stats, lse_columns=1)
+        kernels("kl_div_vp_grad", student_logits, target, total[:, 0], total[:, 1], labels, grad_scale=grad_scale,
+                **common)
+        return loss_rows(total)
+
+    return kl_div_loss_and_grad
+
+
+OPS = (
+    OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, fake=heads.fake_rows,
+           summary="per-row KL(target || student); gradient written into the student logits"),
+    OpSpec(VP_STATS_SCHEMA, "kernel", check_vp_stats, fake=heads.fake_stats(4),
+           summary="vocab-parallel KL: a slice's row stats (lse, q, q log q, q s)"),
+    OpSpec(VP_GRAD_SCHEMA, "kernel", check_vp_grad, fake=heads.fake_in_place,
+           summary="vocab-parallel KL: a slice's gradient from the global stats"),
+    OpSpec(SCHEMA, "user", check_fused_linear_kl_div, composed_of=("kl_div_loss_and_grad",), compose=compose,
+           probe=probe, differentiable=("student_input", "student_weight"),
+           autocast=("student_input", "student_weight"), impl_extra=heads.NEED_GRADS, fake=heads.fake_scalar_loss,
+           vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "target": -1},
+                                        replicated={"student_input": False, "shift_labels": True},
+                                        kernel=vocab_parallel_kernel),
+           summary="fused linear KL divergence against explicit target probabilities"),
+)
+BACKEND_MODULES = {"kl_div_loss_and_grad": "kl_div", "kl_div_vp_stats": "vocab_parallel",
+                   "kl_div_vp_grad": "vocab_parallel"}
