@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from benchmarks import env as environment
-from benchmarks import timing
+from liger_dispatch import timing
 
 PROG = "python -m benchmarks.hf_step"
 UNPATCHED = "unpatched (transformers)"

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks import timing
 from benchmarks.measure import OK, Outcome
+from liger_dispatch import timing
 
 NOOP_BACKEND = "bench-noop"
 GOAL_NS = 3000

@@ -19,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks import env as environment
-from benchmarks import measure, overhead, providers, report, shapes, timing, workloads
+from benchmarks import measure, overhead, providers, report, shapes, workloads
+from liger_dispatch import timing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks import env, timing, workloads
+from benchmarks import env, workloads
 from benchmarks.shapes import DTYPES, LM_OPS, Case
-from liger_dispatch import dispatch
+from liger_dispatch import dispatch, timing
 from liger_dispatch.table import TABLE
 
 # the arguments of each op that hold a slice of the vocabulary, and the dim it is split on
@@ -81,7 +81,7 @@ def measure(op, backend, case, group, device, rep_ms):
     mine_leaves = [mine[0], mine[1]]
 
     def single():
-        workloads.backward(handle(*inputs.args, **inputs.kwargs), inputs)
+        timing.backward(handle(*inputs.args, **inputs.kwargs), inputs)
 
     def parallel():
         handle(*mine, process_group=group, **inputs.kwargs).backward()
