@@ -261,12 +261,12 @@ def host_us(fn: Callable, device: torch.device, calls: int, grads: Sequence[torc
     return statistics.median(times) * 1e6
 
 
-def loop_us(fn: Callable, device: torch.device, calls: int) -> float:
-    """Per call, of `calls` calls back to back and one synchronization at each end."""
+def loop_us(fn: Callable, device: torch.device, calls: int, args: tuple = ()) -> float:
+    """Per call of fn(*args), of `calls` calls back to back and one synchronization at each end."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
-        fn()
+        fn(*args)
     synchronize(device)
     return (time.perf_counter() - start) / calls * 1e6
 
