@@ -279,8 +279,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole tuning run")
     parser.add_argument("--dry-run", action="store_true", help="print the winners, write nothing")
     parser.add_argument("--out", type=Path, default=hs.CONFIG_DIR,
-                        help="where the merged tables go (default: the committed ones; on the device machine, "
-                             "a folder under $OUT, then copy them into backends/helion/configs/)")
+                        help="where the merged tables go (default: the committed ones; on a GPU host whose "
+                             "files come back elsewhere, a folder there, then copy them into backends/helion/configs/)")
     parser.add_argument("--write-defaults", action="store_true",
                         help="add the hand-written defaults of the 'sm90' keys the tables lack (no GPU)")
     args = parser.parse_args(argv)

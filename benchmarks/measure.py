@@ -25,7 +25,7 @@ from liger_dispatch import timing
 OK, FAIL, OOM, SKIPPED, NOT_APPLICABLE = "ok", "FAIL", "OOM", "skipped", "n/a"
 NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, never recorded
 MAX_INPUT_COPIES = 8
-# Calls one timed row makes: check, first call, do_bench's estimate and warm-up, min_reps, memory.
+# Calls one timed row makes: check, first call, timing.bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
 
 

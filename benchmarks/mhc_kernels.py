@@ -48,7 +48,7 @@ OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mul
 NOMINAL_TBPS = 4.3
 DEVICE = "cuda"
 WARMUP_MS, REP_MS = 25.0, 100.0  # what triton.testing.do_bench takes by default
-# Triton: about 80 variants a shape, 2-3 minutes with compilation: run one shape per device call if time is short
+# Triton: about 80 variants a shape, 2-3 minutes with compilation: run one shape at a time when the run is time-boxed
 SWEEPS = {
     "triton": (
         [dict(BM=bm, BK=bk, split=s, num_warps=w, num_stages=4)
