@@ -59,7 +59,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 def parse_args(argv: list[str]) -> argparse.Namespace:
     tools = "\n".join(f"  {name:15} {about}" for name, (_, about) in TOOLS.items())
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=_Help, epilog=f"other measurements (python -m benchmarks.run NAME --help):\n{tools}")
+                                formatter_class=_Help,
+                                epilog=f"other measurements (python -m benchmarks.run NAME --help):\n{tools}")
     p.add_argument("--ops", nargs="+", default=["all"], help=f"any of {', '.join(shapes.OPS)}, or all")
     p.add_argument("--shapes", nargs="+", help=f"presets: {', '.join(shapes.LM_PRESETS)} "
                    "(default: llama3 on a GPU, tiny on the CPU)")

@@ -140,9 +140,8 @@ def _bytes(point: Point) -> int:
     return point.inputs.nbytes() + sum(t.numel() * t.element_size() for t in point.inputs.leaves)
 
 
-def too_large(make: Callable[[torch.device], Iterator[Point]], device: torch.device) -> Optional[str]:
-    """Why the points of `make` do not fit in this device's free memory, or None; sized on the meta device."""
-    sized = list(make(torch.device("meta")))
+def too_large(sized: list[Point], device: torch.device) -> Optional[str]:
+    """Why points (made on the meta device) do not fit in this device's free memory, or None."""
     need = max((_bytes(p) for p in sized), default=0)
     free = timing.free_bytes(device) if device.type == "cuda" else timing.host_free_bytes()
     if free is None or need <= MEMORY_FRACTION * free:
@@ -230,7 +229,9 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
             log(f"    {backend}: does not serve this shape")
             continue
         try:
-            errors = timing.compare(timing.run(handle, inputs), want) if want is not None else None  # also compiles
+            got = timing.run(handle, inputs)  # also the first (compiling) call
+            errors = timing.compare(got, want) if want is not None else None
+            got = None  # its gradients: the size of the leaves
             if errors is not None and not timing.passes(errors, dtype):
                 log(f"    {backend}: MISMATCH with the reference (relative error: outputs {errors[0]:.2e}, "
                     f"gradients {errors[1]:.2e}); not timed")
@@ -292,6 +293,10 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
                        f"({reasons})")
     key = tuned.device_key(device)
     log(f"tuning on {tuned.describe_key(key)}, {dtype_name(dtype)}")
+    for op, (usable, others) in plan.items():
+        if not usable:
+            log(f"  {op}: not tuned: no backend but the reference serves here "
+                f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
     budget = Budget(args.budget_s, args.reps, args.warmup_ms)
     entries, left = [], 0
     with warnings.catch_warnings():
@@ -299,10 +304,16 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         for op, make in point_groups(args, dtype):
             usable, unavailable = plan[op]
             if not usable:
-                continue
-            why = too_large(make, device)
+                continue  # said before the loop
+            sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
+            why = too_large(sized, device)
             if why:
                 log(f"  {why}")
+                continue
+            why = budget.short(sum(budget.predict_s(p, b) for p in sized for b in [REFERENCE, *usable]))
+            if why:
+                log(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
+                left += len(sized)
                 continue
             try:
                 for point in make(device):
@@ -315,7 +326,7 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
                         entries.append(entry(point, dtype, times, unavailable))
                     point = None
             except Exception as exc:  # making the inputs ran out of memory, say
-                log(f"  {op}: a point FAILED while making its inputs ({_describe(exc)})")
+                log(f"  {op}: FAILED ({_describe(exc)})")
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -192,11 +192,11 @@ def test_tune_stops_before_a_backend_the_budget_does_not_reach(tmp_path, capsys)
 
 def test_a_point_too_large_for_the_free_memory_is_skipped_before_it_is_made(monkeypatch, capsys):
     monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**20)
-    make = lambda device: tune.lm_points("flce", 4096, 64, 1000, torch.float32, device, [], [])  # noqa: E731
-    why = tune.too_large(make, torch.device("cpu"))
+    sized = list(tune.lm_points("flce", 4096, 64, 1000, torch.float32, torch.device("meta"), [], []))
+    why = tune.too_large(sized, torch.device("cpu"))
     assert why.startswith("flce N=4096 H=64 V=1000: skipped: its inputs and gradients take")
     monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**40)
-    assert tune.too_large(make, torch.device("cpu")) is None
+    assert tune.too_large(sized, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("build", ["2.13.1+cu128", "2.13.0"])
