@@ -170,7 +170,7 @@ def table(columns, rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run host-cost", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=200, help="calls a measurement takes (host, back to back)")
     parser.add_argument("--backends", nargs="+", help="backends to measure (default: every GPU backend serving here)")
