@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU run in one command, on the device machine after `source .devcache/wheels/setup.sh`:
+# The GPU run in one command, on the GPU host after `source .devcache/wheels/setup.sh`:
 # `pytest -m gpu`, then the full benchmark (every op at llama3, N in {1024, 4096, 8192, 16384}, bf16,
-# fwd+bwd, every provider), everything under $OUT. It fits a 10-minute call: the tests get at most
+# fwd+bwd, every provider), everything under $OUT. It fits in 10 minutes: the tests get at most
 # 4 minutes, the benchmark starts no row after 8 minutes in all (results are written as rows finish),
 # and a size a provider cannot fit or finish within --max-row-s is skipped, saying why.
-# `bash benchmarks/device.sh --bench-only` skips the tests: the whole call goes to the benchmark.
+# `bash benchmarks/device.sh --bench-only` skips the tests: the whole 10 minutes go to the benchmark.
 set -uo pipefail
-: "${OUT:?run on the device machine, where \$OUT is set}"
+: "${OUT:?set OUT to the folder the results and logs go to}"
 cd "$(dirname "$0")/.."
 start=$SECONDS
 mkdir -p "$OUT/results"

@@ -23,8 +23,9 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import env as environment
-from benchmarks import measure, shapes, timing, workloads
+from benchmarks import measure, shapes, workloads
 from benchmarks.providers import Provider
+from liger_dispatch import timing
 
 PROG = "python -m benchmarks.fused_flce_bound"
 NS = (1024, 4096, 8192, 16384)
@@ -35,7 +36,7 @@ METHOD = """\
 GEMMs: cuBLAS alone at full N, bf16 out (logits = X @ W^T into [N, V], dX = G @ W, dW = G^T @ X, G random
 [N, V]); in parentheses each one's time over 2NHV FLOPs at the bf16 matmul rate measured in this run.
 4-GEMM floor: 2 x logits + dX + dW, the recompute design with a free loss kernel. Composition: dispatch.op("flce")
-fwd+bwd through the harness (checked against torch first; median of do_bench; peak MB above the inputs).
+fwd+bwd through the harness (checked against torch first; median of CUDA-event timings; peak MB above the inputs).
 Roofline: 6NHV FLOPs at the measured matmul rate."""
 
 
@@ -46,7 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--n", nargs="+", type=int, default=list(NS), help="rows N")
     p.add_argument("--out", type=Path, required=True, help="folder for fused_flce_bound.md")
     p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=150.0, help="do_bench repetition time per measurement")
+    p.add_argument("--rep-ms", type=float, default=150.0, help="timed repetitions' total time per measurement")
     return p.parse_args(argv)
 
 

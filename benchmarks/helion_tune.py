@@ -7,15 +7,16 @@ first, so the table never holds anything slower than the default; a candidate th
 wrong numbers is skipped. The whole run is time-boxed (--budget seconds, default 200 — under 4 minutes with
 start-up on an H200); jobs the budget does not reach keep their current entries.
 
-Loss kernels are timed with triton.testing.do_bench; the mHC kernels run for microseconds, where a Python
-launch would dominate, so they are timed as CUDA graphs (triton.testing.do_bench_cudagraph).
+Loss kernels are timed as the harness times them (liger_dispatch.timing.bench: CUDA events, L2 flushed, median);
+the mHC kernels run for microseconds, where a Python launch would dominate, so they are timed as one CUDA graph's
+replays back to back (liger_dispatch.timing.graph_us).
 
     python -m benchmarks.helion_tune                    # tune everything (bf16), write the tables
     python -m benchmarks.helion_tune --only ce_loss_and_grad --dtypes bf16,fp32 --budget 60
     python -m benchmarks.helion_tune --dry-run          # tune and print, write nothing
     python -m benchmarks.helion_tune --write-defaults   # no GPU: defaults for the keys the tables lack
 
-On the lent H200 (../shared/device/README.md), after `source .devcache/wheels/setup.sh`:
+On a GPU host, after `source .devcache/wheels/setup.sh`:
     python3 -m benchmarks.helion_tune --out $OUT/helion-configs
 then copy the returned files into backends/helion/configs/ and commit them.
 """
@@ -34,6 +35,7 @@ from typing import Callable
 import torch
 
 from benchmarks.shapes import DTYPES
+from liger_dispatch import timing
 from liger_dispatch.backends.helion import _support as hs
 from liger_dispatch.backends.helion import ce, jsd, kl_div, mhc
 from liger_dispatch.backends.reference import ce as ref_ce
@@ -43,6 +45,7 @@ from liger_dispatch.backends.reference import mhc as ref_mhc
 
 DEVICE = "cuda"
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-3}  # relative norm of the difference
+GRAPH_REPLAYS = 100  # replays of an mHC kernel's graph a timing takes (~1-5 ms of a few-us kernel, best of 3)
 
 VOCABS = (32000, 128256, 151936, 262208)  # Llama 2, Llama 3, Qwen, Gemma: buckets 32768 ... 524288
 LOSS_ROWS = 2048
@@ -199,23 +202,15 @@ def _clone(inputs):
 
 
 def _rel_err(got, want) -> float:
-    errs = []
-    for g, w in zip(got, want):
-        g, w = g.double(), w.double()
-        if g.shape != w.shape or not torch.isfinite(g).all():
-            return math.inf
-        scale = torch.linalg.vector_norm(w).item()
-        diff = torch.linalg.vector_norm(g - w).item()
-        errs.append(diff / scale if scale > 0 else diff)
-    return max(errs)
+    """The worst of the outputs' relative errors; NaN when one is misshapen or not finite."""
+    errs = [timing.rel_err(g.double(), w.double()) for g, w in zip(got, want)]
+    return max(errs, key=lambda e: math.inf if math.isnan(e) else e)
 
 
 def _bench(job: Job, fn) -> float:
-    import triton.testing
-
-    if job.graphs:
-        return triton.testing.do_bench_cudagraph(fn, rep=50)
-    return triton.testing.do_bench(fn, warmup=10, rep=50)
+    if job.graphs:  # per replay of the kernel captured in a CUDA graph, back to back
+        return timing.graph_us(fn, torch.device(DEVICE), GRAPH_REPLAYS) / 1e3
+    return timing.bench(fn, [], torch.device(DEVICE), warmup_ms=10.0, rep_ms=50.0).ms
 
 
 def tune(job: Job, deadline: float) -> None:
@@ -231,7 +226,7 @@ def tune(job: Job, deadline: float) -> None:
         try:
             with job.kernel.using(config):
                 err = _rel_err(job.run(_clone(inputs)), want)
-                if err > TOLERANCE[job.dtype]:
+                if not err <= TOLERANCE[job.dtype]:  # NaN too
                     job.results.append((config, None, f"wrong: relative error {err:.1e}"))
                     continue
                 timed = _clone(inputs)  # the op writes its gradient into its inputs: time it on a copy
@@ -284,8 +279,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for the whole tuning run")
     parser.add_argument("--dry-run", action="store_true", help="print the winners, write nothing")
     parser.add_argument("--out", type=Path, default=hs.CONFIG_DIR,
-                        help="where the merged tables go (default: the committed ones; on the device machine, "
-                             "a folder under $OUT, then copy them into backends/helion/configs/)")
+                        help="where the merged tables go (default: the committed ones; on a GPU host whose "
+                             "files come back elsewhere, a folder there, then copy them into backends/helion/configs/)")
     parser.add_argument("--write-defaults", action="store_true",
                         help="add the hand-written defaults of the 'sm90' keys the tables lack (no GPU)")
     args = parser.parse_args(argv)

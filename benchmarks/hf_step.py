@@ -13,7 +13,7 @@ step first (loss, lm_head gradient):
   liger-kernel, all kernels    apply_liger_kernel_to_llama(model=...) defaults: also its RoPE, RMSNorm, SwiGLU;
                                last, because it cannot be undone. Skipped, with a note, without liger-kernel.
 
-Time: median (p20-p80) of CUDA-event timings after warm-up (do_bench); peak: max_memory_allocated during one
+Time: median (p20-p80) of CUDA-event timings after warm-up (liger_dispatch.timing); peak: max_memory_allocated during one
 step above what the weights and inputs hold before it (gradients are freed between steps, so they count).
 --tiny: a small config in fp32 on the CPU, timed by the host clock, so CI keeps the script running.
 
@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from benchmarks import env as environment
-from benchmarks import timing
+from liger_dispatch import timing
 
 PROG = "python -m benchmarks.hf_step"
 UNPATCHED = "unpatched (transformers)"
@@ -71,7 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny config in fp32 on the CPU (CI)")
     p.add_argument("--backends", nargs="+", help="our backends to patch with (default: all that can serve flce here)")
     p.add_argument("--warmup-ms", type=float, default=200.0)
-    p.add_argument("--rep-ms", type=float, default=1500.0, help="do_bench repetition time per variant")
+    p.add_argument("--rep-ms", type=float, default=1500.0, help="timed repetitions' total time per variant")
     return p.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""python -m benchmarks.host_cost: what a call costs the CPU next to what it costs the GPU (issue 10, point 5).
+"""python -m benchmarks.host_cost: what a call costs the CPU next to what it costs the GPU.
 
     python -m benchmarks.host_cost                                         # the GPU host: losses and mHC, every backend
     python -m benchmarks.host_cost --out benchmarks/results/h200_host_cost.md
@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import inspect
 import shlex
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import liger_dispatch as ld
 from benchmarks import env as environment
 from benchmarks import mhc_kernels, workloads
 from benchmarks.shapes import LM_OPS, Case
-from liger_dispatch import dispatch
+from liger_dispatch import dispatch, timing
 from liger_dispatch.core.table import TABLE
 
 LOSS_DIMS = (("N", 1024), ("H", 1024), ("V", 32000))  # small: the host cost shows, the GPU time does not hide it
@@ -54,64 +51,12 @@ TARGET_EXTRA_US = 10.0
 TARGET_MHC_US = 40.0
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def host_us(fn: Callable, device: torch.device, calls: int) -> float:
-    """Median host time of one call, the stream idle when it starts (nothing waits for room in the queue)."""
-    times = []
-    for _ in range(calls):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    synchronize(device)
-    return statistics.median(times) * 1e6
-
-
-def wall_us(fn: Callable, device: torch.device, calls: int) -> float:
-    """Per call, of `calls` calls back to back and one synchronization: host- or GPU-bound, whichever binds."""
-    best = float("inf")
-    for _ in range(3):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
-
-
 def gpu_us(fn: Callable, device: torch.device, calls: int = 5) -> tuple[Optional[float], Optional[float]]:
     """(kernels per call, their summed duration per call in us), from torch.profiler; (None, None) on the CPU."""
-    if device.type != "cuda":
+    events = timing.kernels(fn, device, calls)
+    if events is None:
         return None, None
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / calls, sum(e.time_range.elapsed_us() for e in kernels) / calls
-
-
-def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
-    """Per replay of fn captured in one CUDA graph (warmed up on a side stream first, as torch.cuda.graph asks):
-    the GPU's time for the call with no host in the way; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return wall_us(graph.replay, device, calls)
+    return len(events) / calls, sum(us for _, us in events) / calls
 
 
 def _like(spec) -> inspect.Signature:
@@ -173,11 +118,12 @@ def loss_rows(device: torch.device, dims: tuple, calls: int, asked: Optional[lis
             direct()
             n_handle, gpu = gpu_us(through_handle, device)
             n_impl, _ = gpu_us(direct, device)
-            handle_us, impl_us = host_us(through_handle, device, calls), host_us(direct, device, calls)
+            handle_us = timing.host_us(through_handle, device, calls)
+            impl_us = timing.host_us(direct, device, calls)
             extra = handle_us - impl_us
             rows.append({"op": op, "provider": backend, "handle us": _fmt(handle_us), "impl us": _fmt(impl_us),
-                             "extra us": _fmt(extra), "wall us": _fmt(wall_us(through_handle, device, calls)),
-                             "graph us": _fmt(graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
+                             "extra us": _fmt(extra), "wall us": _fmt(timing.wall_us(through_handle, device, calls)),
+                             "graph us": _fmt(timing.graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
                              "launches": f"{_fmt(n_handle, 0)} / {_fmt(n_impl, 0)}",
                              "target": "meets" if extra <= TARGET_EXTRA_US else "misses"})
     return rows
@@ -202,11 +148,12 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
 
             step()
             launches, gpu = gpu_us(step, device)
-            eager = wall_us(step, device, calls)
-            graph = graph_us(step, device, calls) if backend != "floor" else None
+            eager = timing.wall_us(step, device, calls)
+            graph = timing.graph_us(step, device, calls) if backend != "floor" else None
             verdict = "" if backend == "floor" or gpu is None else "meets" if eager <= gpu + TARGET_MHC_US else "misses"
+            host = timing.host_us(step, device, calls)
             rows.append({"T x C": f"{t} x {c}", "provider": backend, "eager us": _fmt(eager),
-                             "graph us": _fmt(graph), "gpu us": _fmt(gpu), "host us": _fmt(host_us(step, device, calls)),
+                             "graph us": _fmt(graph), "gpu us": _fmt(gpu), "host us": _fmt(host),
                              "launches": _fmt(launches, 0), "target": verdict})
     return rows
 
@@ -223,7 +170,7 @@ def table(columns, rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run host-cost", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=200, help="calls a measurement takes (host, back to back)")
     parser.add_argument("--backends", nargs="+", help="backends to measure (default: every GPU backend serving here)")

@@ -16,15 +16,16 @@ from typing import Callable, Optional
 
 import torch
 
-from benchmarks import check, shapes, timing, workloads
+from benchmarks import shapes, workloads
 from benchmarks.peers import Unsupported
 from benchmarks.providers import EAGER, Provider, formula
 from benchmarks.shapes import Case
+from liger_dispatch import timing
 
 OK, FAIL, OOM, SKIPPED, NOT_APPLICABLE = "ok", "FAIL", "OOM", "skipped", "n/a"
 NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, never recorded
 MAX_INPUT_COPIES = 8
-# Calls one timed row makes: check, first call, do_bench's estimate and warm-up, min_reps, memory.
+# Calls one timed row makes: check, first call, timing.bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
 
 
@@ -162,7 +163,7 @@ def _reference(case: Case, s: Settings):
     while True:
         inputs = workloads.make_inputs(at, s.device, s.seed + 1)
         try:
-            return inputs, check.run(formula(case.op), inputs, case.mode), at.n
+            return inputs, timing.run(formula(case.op), inputs, case.mode), at.n
         except Exception as exc:
             if not _is_oom(exc) or shapes.halved(at) is None:
                 raise
@@ -178,7 +179,7 @@ def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
     failed = None
     try:
         fn = p.build(case)
-        errors = check.compare(check.run(fn, inputs, case.mode), want)
+        errors = timing.compare(timing.run(fn, inputs, case.mode), want)
     except Unsupported as exc:
         return Outcome(NOT_APPLICABLE, notes=[str(exc)]), None, None
     except Exception as exc:
@@ -187,14 +188,14 @@ def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
         _cleanup(s.device)
         _ensure_device(s.device, p.name)
         return failed, None, None
-    if not check.passes(errors, case.dtype):
-        tol = check.TOLERANCE[case.dtype]
+    if not timing.passes(errors, case.dtype):
+        tol = timing.TOLERANCE[case.dtype]
         return Outcome(FAIL, errors=errors, notes=[f"error above {tol:g} (output {errors[0]:.2e}, "
                                                    f"gradients {errors[1]:.2e})"]), None, None
     return None, fn, errors
 
 
-def _input_sets(case: Case, s: Settings) -> list[workloads.Inputs]:
+def _input_sets(case: Case, s: Settings) -> list[timing.Inputs]:
     """Inputs for timing, several sets when one would fit in L2 and make it look faster (one set when warm)."""
     first = workloads.make_inputs(case, s.device, s.seed + 2)
     if s.warm:
@@ -203,28 +204,28 @@ def _input_sets(case: Case, s: Settings) -> list[workloads.Inputs]:
     return [first] + [workloads.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
 
 
-def _step(fn: Callable, sets: list[workloads.Inputs], mode: str) -> Callable[[], None]:
+def _step(fn: Callable, sets: list[timing.Inputs], mode: str) -> Callable[[], None]:
     """One timed repetition on the next input set."""
     if mode == "bwd":
         # The forward graphs are built once, outside the timing; backward keeps them for the next turn.
-        graphs = itertools.cycle([(workloads.forward(fn, inputs), inputs) for inputs in sets])
+        graphs = itertools.cycle([(timing.forward(fn, inputs), inputs) for inputs in sets])
 
         def backward_only() -> None:
             out, inputs = next(graphs)
-            workloads.backward(out, inputs, retain_graph=True)
+            timing.backward(out, inputs, retain_graph=True)
 
         return backward_only
     turn = itertools.cycle(sets)
     if mode == "fwd":
         def forward_only() -> None:
             with torch.no_grad():
-                workloads.forward(fn, next(turn))
+                timing.forward(fn, next(turn))
 
         return forward_only
 
     def forward_backward() -> None:
         inputs = next(turn)
-        workloads.backward(workloads.forward(fn, inputs), inputs)
+        timing.backward(timing.forward(fn, inputs), inputs)
 
     return forward_backward
 

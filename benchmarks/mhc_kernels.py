@@ -1,8 +1,8 @@
 """Time the mHC coefficient kernels of each backend at the design's shapes and compare them with the byte floor.
 
-    python benchmarks/mhc_kernels.py             # triton and cutedsl, B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16
-    python benchmarks/mhc_kernels.py --sweep     # also time each backend's launch-configuration variants
-    python benchmarks/mhc_kernels.py --shapes 4x512x4x1024 --dtype float16
+    python -m benchmarks.run mhc-kernels           # triton and cutedsl, B=4, HC=4, T*C = 512*1024 and 2048*4096, bf16
+    python -m benchmarks.run mhc-kernels --sweep   # also time each backend's launch-configuration variants
+    python -m benchmarks.run mhc-kernels --shapes 4x512x4x1024 --dtype float16
 
 Inputs are what a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model
 dtype (bf16 parameters, or bf16 copies of fp32 masters), b and the alphas fp32.
@@ -17,7 +17,7 @@ Rows (CUDA graphs off):
                  only allocate their outputs: what dispatch, PyTorch's autograd and the allocations cost, whatever
                  the kernels
 Columns:
-  time us   median wall time of one call (triton.testing.do_bench, L2 flushed before each repetition): what
+  time us   median wall time of one call (liger_dispatch.timing.bench, L2 flushed before each repetition): what
             the GPU stream spends on the call, idle gaps waiting for the host included
   gpu us    summed durations of the CUDA kernels one call issues (torch.profiler), "launches" their count
   host us   CPU time to issue one call (median, the stream idle at the start): when above gpu us the call is
@@ -33,16 +33,13 @@ import argparse
 import functools
 import importlib
 import itertools
-import statistics
 import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
 import liger_dispatch as ld
-from liger_dispatch import dispatch
+from liger_dispatch import dispatch, timing
 from liger_dispatch.backends.reference import mhc as reference_mhc
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix
 
@@ -50,7 +47,8 @@ TMAX = 20
 OPTIONS = dict(tmax=TMAX, rms_eps=1e-6, pre_eps=0.0, sinkhorn_eps=1e-6, post_mult=2.0)
 NOMINAL_TBPS = 4.3
 DEVICE = "cuda"
-# Triton: about 80 variants a shape, 2-3 minutes with compilation: run one shape per device call if time is short
+WARMUP_MS, REP_MS = 25.0, 100.0  # what triton.testing.do_bench takes by default
+# Triton: about 80 variants a shape, 2-3 minutes with compilation: run one shape at a time when the run is time-boxed
 SWEEPS = {
     "triton": (
         [dict(BM=bm, BK=bk, split=s, num_warps=w, num_stages=4)
@@ -79,11 +77,6 @@ def make_inputs(b, t, hc, c, dtype):
     return x, phi, bias, alphas, upstream
 
 
-def rel_err(got, want):
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
 def check(mhc, x2, phi, bias, alphas, upstream, hc, dtype):
     """Forward outputs and the six gradients against float64 autograd of the formulas."""
     m = x2.shape[0]
@@ -97,7 +90,7 @@ def check(mhc, x2, phi, bias, alphas, upstream, hc, dtype):
                                  sinkhorn_eps=OPTIONS["sinkhorn_eps"], post_mult=OPTIONS["post_mult"])
     want = torch.autograd.grad(coeffs, leaves, [u.double() for u in ups])
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    errors = {name: rel_err(g, w) for name, g, w in zip(
+    errors = {name: timing.rel_err(g.detach(), w.detach()) for name, g, w in zip(
         ("h_pre", "h_post", "h_res", "mix", "rstd", "grad_x", "grad_phi", "grad_b", "grad_a_pre", "grad_a_post",
          "grad_a_res"), (*outs, *grads), (*coeffs, mix, rstd, *want))}
     bad = {k: v for k, v in errors.items() if not v <= tol}
@@ -106,45 +99,13 @@ def check(mhc, x2, phi, bias, alphas, upstream, hc, dtype):
     return not bad
 
 
-def copy_bandwidth():
-    buf = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
-    ms = do_bench(lambda: buf.clone())
-    return 2 * buf.numel() / (ms * 1e-3) / 1e12
-
-
-def clear_grads(leaves):
-    for t in leaves:
-        t.grad = None
-
-
 def launches(fn, leaves, breakdown=False):
-    """(number of CUDA kernels and memsets, their summed duration in us) of one call. The gradients are
-    cleared first, as do_bench does: otherwise autograd would add each new gradient into the old one."""
+    """(number of CUDA kernels and memsets, their summed duration in us) of one call, gradients reset first."""
     fn()
-    clear_grads(leaves)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    clear_grads(leaves)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = timing.kernels(fn, torch.device(DEVICE), 1, leaves)
     if breakdown:
-        print("    " + ", ".join(f"{e.name[:40]} {e.time_range.elapsed_us():.1f}" for e in kernels))
-    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels)
-
-
-def host_us(fn, leaves, calls=200):
-    """Median CPU time to issue one call, the stream idle when it starts (so no launch waits for room)."""
-    times = []
-    for _ in range(calls):
-        clear_grads(leaves)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    clear_grads(leaves)
-    return statistics.median(times) * 1e6
+        print("    " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels))
+    return len(kernels), sum(us for _, us in kernels)
 
 
 def register_floor_backend(devices=("cuda",)):
@@ -180,11 +141,12 @@ def sweep(name, launch, configs, fn, reference_out):
         try:
             with launch.using(**cfg):
                 out = fn()
-                errs = [rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
-                if max(errs) > 1e-2:
+                errs = [timing.rel_err(o, r) for o, r in zip(out, reference_out) if r.numel() and r.norm() > 0]
+                if not all(e <= 1e-2 for e in errs):  # NaN too
                     rows.append((float("inf"), cfg, f"WRONG ({max(errs):.1e})"))
                     continue
-                rows.append((do_bench(fn), cfg, ""))
+                ms = timing.bench(fn, [], torch.device(DEVICE), warmup_ms=WARMUP_MS, rep_ms=REP_MS).ms
+                rows.append((ms, cfg, ""))
         except Exception as exc:  # too much shared memory, say: report and go on
             rows.append((float("inf"), cfg, type(exc).__name__))
     rows.sort(key=lambda r: r[0])
@@ -196,18 +158,18 @@ def sweep(name, launch, configs, fn, reference_out):
         print(f"    ({len(failed)} failed or wrong, e.g. {failed[0][1]} {failed[0][2]})")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run mhc-kernels", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(4, 512, 4, 1024), (4, 2048, 4, 4096)],
                    help="BxTxHCxC")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--backends", nargs="+", default=["triton", "cutedsl"])
     p.add_argument("--breakdown", action="store_true", help="print each kernel's duration in the fwd and bwd rows")
     p.add_argument("--sweep", action="store_true", help="also time each backend's launch configurations")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    tbps = copy_bandwidth()
+    tbps = timing.copy_gbps(torch.device(DEVICE), REP_MS) / 1e3
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {tbps:.2f} TB/s  {args.dtype}  tmax={TMAX}")
     header = (f"  {'':14} {'time us':>9} {'gpu us':>8} {'host us':>8} {'launches':>8} {'floor us':>9} "
               f"{'time/floor':>10}")
@@ -255,18 +217,19 @@ def main():
         for name, fn, floor in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes), ("fwd+bwd", fwd_bwd, total),
                                 ("mhc_coeffs fwd", user_fwd, fwd_bytes), ("mhc_coeffs", user, total),
                                 ("autograd floor", autograd_floor, total)):
-            us = do_bench(fn, grad_to_none=leaves, return_mode="median") * 1e3
+            us = timing.bench(fn, leaves, torch.device(DEVICE), warmup_ms=WARMUP_MS, rep_ms=REP_MS).ms * 1e3
             n_launch, gpu_us = launches(fn, leaves, args.breakdown and name in ("fwd", "bwd"))
             floor_us = floor / (tbps * 1e12) * 1e6
-            print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us(fn, leaves):8.1f} {n_launch:8d} {floor_us:9.1f} "
+            host_us = timing.host_us(fn, torch.device(DEVICE), 200, leaves)
+            print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us:8.1f} {n_launch:8d} {floor_us:9.1f} "
                   f"{us / floor_us:10.2f}")
         if args.sweep:
             fwd_configs, bwd_configs = SWEEPS[backend]
             sweep("fwd", mhc.FWD_LAUNCH, fwd_configs, fwd, fwd())
             sweep("bwd", mhc.BWD_LAUNCH, bwd_configs, bwd, bwd())
     print(f"\n{time.perf_counter() - started:.0f} s")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

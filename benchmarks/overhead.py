@@ -8,13 +8,12 @@ Registration lasts for the process, so this runs after every other op.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 
-from benchmarks import timing
 from benchmarks.measure import OK, Outcome
+from liger_dispatch import timing
 
 NOOP_BACKEND = "bench-noop"
 GOAL_NS = 3000
@@ -22,19 +21,10 @@ _REPEATS = 7
 _LOOP_S = 0.02
 
 
-def _loop_ns(fn: Callable, args: tuple, calls: int, device: torch.device) -> float:
-    timing.synchronize(device)
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        fn(*args)
-    timing.synchronize(device)
-    return (time.perf_counter_ns() - start) / calls
-
-
 def per_call_ns(fn: Callable, args: tuple, device: torch.device) -> timing.Timing:
     """ns per call (in the Timing's fields) over several loops of about _LOOP_S each."""
-    calls = max(1, int(_LOOP_S * 1e9 / _loop_ns(fn, args, 200, device)))
-    return timing.summarize([_loop_ns(fn, args, calls, device) for _ in range(_REPEATS)])
+    calls = max(1, int(_LOOP_S * 1e6 / timing.loop_us(fn, device, 200, args)))
+    return timing.summarize([timing.loop_us(fn, device, calls, args) * 1e3 for _ in range(_REPEATS)])
 
 
 def measure(device: torch.device) -> list[tuple[str, Outcome]]:

@@ -2,11 +2,16 @@
 
     python -m benchmarks.run --ops flce --shapes llama3 --n 1024 4096
     python -m benchmarks.run --ops all --shapes tiny          # the CPU, in seconds
+    python -m benchmarks.run host-cost --out host_cost.md     # one of the measurements in TOOLS, its own --help
+
+Every measurement times through liger_dispatch.timing (the one timing path, shared with `python -m
+liger_dispatch tune`); host-cost and the dispatch_overhead rows use its host clocks.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -19,9 +24,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks import env as environment
-from benchmarks import measure, overhead, providers, report, shapes, timing, workloads
+from benchmarks import measure, overhead, providers, report, shapes, workloads
+from liger_dispatch import timing
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TOOLS = {  # `python -m benchmarks.run <name> ...`: the harness's other measurements, one module each
+    "host-cost": ("benchmarks.host_cost", "host time per call next to GPU time, eager and CUDA-graph wall"),
+    "hf-step": ("benchmarks.hf_step", "one training step of a Hugging Face model, unpatched vs patched"),
+    "vocab-parallel": ("benchmarks.vocab_parallel", "the vocab-parallel losses against the single-process op"),
+    "flce-bound": ("benchmarks.fused_flce_bound", "the floor of a fused GEMM + CE flce against the composition"),
+    "loss-kernels": ("benchmarks.loss_kernels", "one backend's loss kernels alone against the bandwidth"),
+    "mhc-kernels": ("benchmarks.mhc_kernels", "each backend's mHC kernels against the byte floor"),
+    "helion-configs": ("benchmarks.helion_tune", "regenerate the Helion backend's config tables"),
+}
 
 
 def _listed(values: list[str] | None) -> list[str] | None:
@@ -37,9 +52,15 @@ def _check_choices(parser: argparse.ArgumentParser, flag: str, values: list[str]
         parser.error(f"{flag}: unknown {', '.join(bad)} (choose from {', '.join(sorted(choices))})")
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown; the list of other measurements kept one a line."""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    tools = "\n".join(f"  {name:15} {about}" for name, (_, about) in TOOLS.items())
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help,
+                                epilog=f"other measurements (python -m benchmarks.run NAME --help):\n{tools}")
     p.add_argument("--ops", nargs="+", default=["all"], help=f"any of {', '.join(shapes.OPS)}, or all")
     p.add_argument("--shapes", nargs="+", help=f"presets: {', '.join(shapes.LM_PRESETS)} "
                    "(default: llama3 on a GPU, tiny on the CPU)")
@@ -137,6 +158,8 @@ def _cell(r: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:
+        return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
     # A pinned backend that cannot serve a call must fail, not be timed under its name as the reference.
     os.environ["LIGER_STRICT"] = "1"
     args = parse_args(argv)

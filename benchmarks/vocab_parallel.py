@@ -8,7 +8,7 @@ World size 1: one rank holds the whole vocabulary, so the time over the plain op
 vocabulary-size exchange and its host read, one statistics all-gather per chunk, the stand-in's extra kernel pass
 and the dX all-reduce, on a group of one). World size 2: each rank's time for its half, beside the single-process
 op on the whole vocabulary on that GPU. Both compare the loss and the gradients with the single-process op on the
-same inputs (the weight's gradient on this rank's slice). Timing: triton.testing.do_bench at world size 1 (run in
+same inputs (the weight's gradient on this rank's slice). Timing: liger_dispatch.timing.bench at world size 1 (run in
 this process); with more ranks, which must make the same calls, the median wall time of a fixed count of synced
 repetitions. On the CPU (gloo) only to check that the script runs.
 Writes a markdown table (--out, default benchmarks/results/vocab_parallel_<gpu>.md) and prints it.
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks import env, timing, workloads
+from benchmarks import env, workloads
 from benchmarks.shapes import DTYPES, LM_OPS, Case
-from liger_dispatch import dispatch
+from liger_dispatch import dispatch, timing
 from liger_dispatch.core.table import TABLE
 
 # the arguments of each op that hold a slice of the vocabulary, and the dim it is split on
@@ -81,7 +81,7 @@ def measure(op, backend, case, group, device, rep_ms):
     mine_leaves = [mine[0], mine[1]]
 
     def single():
-        workloads.backward(handle(*inputs.args, **inputs.kwargs), inputs)
+        timing.backward(handle(*inputs.args, **inputs.kwargs), inputs)
 
     def parallel():
         handle(*mine, process_group=group, **inputs.kwargs).backward()

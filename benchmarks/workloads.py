@@ -1,4 +1,4 @@
-"""What each op does in a benchmark: its random inputs, its minimum work, and one forward / backward step.
+"""What each op does in a benchmark: its random inputs and its minimum work (one call's step: liger_dispatch.timing).
 
 Every provider is called with the project's own signature (DESIGN.md, Ops); peers adapt to it.
 Labels carry a few ignored rows so the ignore path is part of what is timed.
@@ -7,28 +7,16 @@ Labels carry a few ignored rows so the ignore path is part of what is timed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
 from benchmarks.shapes import Case
+from liger_dispatch.timing import Inputs
 
 IGNORE_INDEX = -100
 IGNORED_FRACTION = 0.05
 # GEMM FLOPs per N*H*V of the LM-head ops, per pass (fwd: the logits; bwd: grad input and grad weight).
 _GEMM_COEFF = {"flce": (2, 4), "fused_linear_jsd": (4, 4), "fused_linear_kl_div": (2, 4)}
-
-
-@dataclass
-class Inputs:
-    args: tuple
-    kwargs: dict
-    leaves: list[torch.Tensor]  # the tensors whose gradients the op produces
-    upstream: Optional[tuple[torch.Tensor, ...]] = None  # grads fed to backward when the op has several outputs
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.args if isinstance(t, torch.Tensor))
 
 
 def make_inputs(case: Case, device: torch.device, seed: int) -> Inputs:
@@ -62,18 +50,6 @@ def work(case: Case, mode: str | None = None) -> tuple[float, float]:
     x_and_phi = (rows * k + k * m) * itemsize
     flops = 2 * rows * k * m * (1 if mode == "fwd" else 2)
     return float(flops), float(x_and_phi if mode == "fwd" else 2 * x_and_phi)
-
-
-def forward(fn: Callable, inputs: Inputs):
-    return fn(*inputs.args, **inputs.kwargs)
-
-
-def outputs(out) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def backward(out, inputs: Inputs, retain_graph: bool = False) -> None:
-    torch.autograd.backward(outputs(out), inputs.upstream, retain_graph=retain_graph)
 
 
 # ---------------------------------------------------------------- input makers

@@ -69,10 +69,11 @@ def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
 
 
 def test_host_cost_runs_on_the_cpu(tmp_path):
-    """benchmarks.host_cost end to end at its quick shapes: a row per loss op and provider, and mHC's rows."""
+    """host-cost through the harness's entry point, end to end at its quick shapes: a row per loss op and provider,
+    and mHC's rows."""
     out = tmp_path / "host_cost.md"
-    command = [sys.executable, "-m", "benchmarks.host_cost", "--device", "cpu", "--quick", "--backends", "reference",
-               "--out", str(out)]
+    command = [sys.executable, "-m", "benchmarks.run", "host-cost", "--device", "cpu", "--quick", "--backends",
+               "reference", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
@@ -82,11 +83,11 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
 
 
 def test_triton_loss_kernel_cases_match_the_formulas():
-    """Every case of benchmarks/triton_loss_kernels.py (kernel variants included) passes its own check, at a
+    """Every Triton case of benchmarks/loss_kernels.py (kernel variants included) passes its own check, at a
     tiny shape on the CPU: the GPU run times only what is right."""
     import torch
 
-    from benchmarks import triton_loss_kernels as bench
+    from benchmarks import loss_kernels as bench
 
     for name, reads, writes, make, run, reference_rows, launch, knobs in bench.cases(3, 300, torch.bfloat16, dev="cpu"):
         inputs = make()
@@ -94,3 +95,15 @@ def test_triton_loss_kernel_cases_match_the_formulas():
             assert bench.check(name, inputs, run, reference_rows, 1.0 / 3), name
         model, minimum = bench.traffic(inputs, reads, writes)
         assert model >= minimum > 0
+
+
+def test_every_measurement_is_a_subcommand_of_the_harness():
+    """Each module the harness names runs as `python -m benchmarks.run NAME` and takes an argv."""
+    import importlib
+    import inspect
+
+    from benchmarks import run
+
+    for name, (module, _) in run.TOOLS.items():
+        main = importlib.import_module(module).main
+        assert list(inspect.signature(main).parameters) == ["argv"], name

@@ -1,6 +1,10 @@
 """Measured auto-selection: a tuned table reorders auto for its bucket only, on its own device and versions
 only; preferences still win; explain names the entry; `python -m liger_dispatch tune` writes a table the
-selector then reads (on the CPU, with the interpreted Triton and Helion backends)."""
+selector then reads (on the CPU, with the interpreted Triton and Helion backends, through tune.run: the command
+itself refuses the CPU), and writes none when there is nothing to tune, nothing measured or no time left."""
+
+import argparse
+import time
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ import liger_dispatch as ld
 from liger_dispatch.tools import cli
 from liger_dispatch import dispatch, settings
 from liger_dispatch.core import selection
-from liger_dispatch.tuning import tuned
+from liger_dispatch.tuning import tune, tuned
 
 H, V = 16, 40
 
@@ -119,10 +123,16 @@ def test_buckets_of_each_op():
     assert tuned.bucket_of("ce_loss_and_grad", (x,), {}) is None
 
 
-def test_tune_command_writes_a_table_the_selector_reads(table, capsys):
-    args = ["--device", "cpu", "tune", "--ops", "flce", "--n", "8", "--hidden", str(H), "--vocab", str(V),
-            "--reps", "1", "--warmup", "0", "--out", str(table)]
-    assert cli.main(args) == 0
+def tune_args(*argv):
+    parser = argparse.ArgumentParser()
+    tune.add_arguments(parser)
+    return parser.parse_args(["--ops", "flce", "--n", "8", "--hidden", str(H), "--vocab", str(V), "--reps", "1",
+                              *argv])
+
+
+def test_tune_writes_a_table_the_selector_reads(table, capsys):
+    """The whole path on the CPU's interpreted backends (their times say nothing; the path is what is tested)."""
+    assert tune.run(tune_args("--out", str(table)), "cpu", torch.float32, interpreted=True) == 0
     assert "wrote 1 entries" in capsys.readouterr().out
     key, entries = tuned.read_table(table)
     assert key == tuned.device_key(torch.device("cpu"))
@@ -131,4 +141,88 @@ def test_tune_command_writes_a_table_the_selector_reads(table, capsys):
     assert set(entry["unavailable"]) == {"cutedsl"}
     fastest = min(entry["ms"], key=entry["ms"].get)
     assert auto_backend(8) == fastest
-    assert f"SELECTED (tuned: {entry['ms'][fastest]:.3g} ms measured)" in str(dispatch.op("flce").explain(*flce_call(8)))
+    explained = str(dispatch.op("flce").explain(*flce_call(8)))
+    assert f"SELECTED (tuned: {entry['ms'][fastest]:.3g} ms measured)" in explained
+
+
+def test_tune_on_the_cpu_says_there_is_nothing_to_tune_at_once(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    start = time.monotonic()
+    assert cli.main(["--device", "cpu", "tune", "--out", str(out)]) != 0  # the default set: llama3 heads
+    assert time.monotonic() - start < 5
+    assert "nothing to tune on the cpu" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_tune_with_no_backend_but_the_reference_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    assert tune.run(tune_args("--backends", "reference", "--out", str(out)), "cpu", torch.float32,
+                    interpreted=True) != 0
+    assert "no backend but the reference serves" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_tune_whose_every_backend_fails_writes_no_table(isolated_table, tmp_path, capsys):
+    def broken(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+               softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
+               row_weights=None):
+        raise RuntimeError("this kernel always fails")
+
+    ld.register_backend("flce", backend="broken", priority=1 << 20,
+                        capability=ld.Capability(devices=("cpu",)))(broken)
+    out = tmp_path / "table.json"
+    assert tune.run(tune_args("--backends", "broken", "--out", str(out)), "cpu", torch.float32, interpreted=True) != 0
+    text = capsys.readouterr()
+    assert "broken: FAILED (RuntimeError: this kernel always fails)" in text.out
+    assert "no point was measured" in text.err
+    assert not out.exists()
+
+
+def test_tune_stops_before_a_backend_the_budget_does_not_reach(tmp_path, capsys):
+    """The budget is checked before each backend's measurement, from the same backend's last one at a smaller
+    point: a point the budget cannot finish gets no entry (and no point runs past the budget)."""
+    out = tmp_path / "table.json"
+    budget = tune.Budget(0.0, reps=1, warmup_ms=0.0)
+    point = next(tune.lm_points("flce", 8, H, V, torch.float32, torch.device("cpu"), [], []))
+    assert budget.predict_s(point, "triton") == 0.0  # nothing measured yet
+    budget.record(point, "triton", 10.0)
+    assert budget.predict_s(point, "triton") == pytest.approx(10.0 * 4 / 1e3)  # check, estimate, warm-up, 1 rep
+    assert tune.measure(point, ["triton"], torch.float32, torch.device("cpu"), budget, print) is None
+    assert "not reached" in capsys.readouterr().out
+    assert tune.run(tune_args("--budget-s", "0", "--out", str(out)), "cpu", torch.float32, interpreted=True) != 0
+    assert not out.exists()
+
+
+def test_a_point_too_large_for_the_free_memory_is_skipped_before_it_is_made(monkeypatch, capsys):
+    monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**20)
+    sized = list(tune.lm_points("flce", 4096, 64, 1000, torch.float32, torch.device("meta"), [], []))
+    why = tune.too_large(sized, torch.device("cpu"))
+    assert why.startswith("flce N=4096 H=64 V=1000: skipped: its inputs and gradients take")
+    monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**40)
+    assert tune.too_large(sized, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("build", ["2.13.1+cu128", "2.13.0"])
+def test_a_table_applies_under_another_build_of_the_same_torch_minor(table, build):
+    """The key is torch's major.minor: a table made with another patch level or CUDA build applies."""
+    write_table(table, [helion_first()], torch=build)
+    assert auto_backend(16) == "helion"
+
+
+def test_a_key_written_with_torch_full_version_is_read_as_its_major_minor():
+    key = tuned.device_key(torch.device("cpu"))
+    assert key["torch"] == ".".join(torch.__version__.split(".")[:2])
+    assert tuned.same_key(dict(key, torch=torch.__version__), key)
+    assert not tuned.same_key(dict(key, torch="2.11.0+cu130"), key)
+    assert not tuned.same_key(dict(key, triton="0.0.1"), key)
+
+
+def test_the_committed_table_applies_on_its_gpu_under_any_build_of_its_torch_minor(monkeypatch):
+    (path,) = tuned.table_files(())
+    table_key, entries = tuned.read_table(path)
+    assert table_key["torch"] == "2.11" and entries
+    here = dict(table_key, torch="2.11.1+cu128")
+    monkeypatch.setattr(tuned, "device_key", lambda device: here)
+    tables = tuned.DeviceTables(tuned.device_key(None), [path])
+    assert tables.applied == [str(path)] and not tables.ignored
+    assert tables.entry("flce", "bfloat16", 4096, (("v", 131072),)).fastest in ("triton", "cutedsl", "helion")

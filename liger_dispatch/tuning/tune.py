@@ -1,59 +1,72 @@
-"""`python -m liger_dispatch tune`: time every backend that can serve each (op, dtype, shape) here and write
+"""`python -m liger_dispatch tune`: time every backend that can serve each (op, dtype, shape) on this GPU and write
 the table that auto selection reads (liger_dispatch/tuning/tuned.py).
 
     python -m liger_dispatch tune --out h200.json         # the default set: ~2-3 minutes on an H200
     LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuning/tables/)
 
-A point is one op at one shape; its bucket is the one tuned.bucket_of gives the call. Each backend is timed
-fwd+bwd through `dispatch.op(op, backend=b)` (one whose capability or shape predicate turns the point down
-is not timed): the median of the repetitions after warm-up, L2 flushed and gradients reset before each one,
-CUDA events on a GPU, a host clock elsewhere. First its outputs are compared with the reference's where the
-reference's logits fit (N * V <= CHECK_LOGITS); a backend that disagrees is reported and left out. The
-reference is not timed: auto selection uses it only as the fallback. An existing table at --out made with
-the same key keeps its other entries.
+A point is one op at one shape; its bucket is the one tuned.bucket_of gives the call. Each backend is measured
+through `dispatch.op(op, backend=b)` as the benchmark harness measures a provider, with liger_dispatch.timing:
+one fwd+bwd call (also the compiling one) whose outputs and gradients are compared with the reference's where
+the reference's logits fit (N * V <= CHECK_LOGITS; a backend that disagrees is reported and left out), then the
+median of at least --reps fwd+bwd repetitions after warm-up, CUDA events, L2 flushed and gradients reset before
+each one. A backend whose capability or shape predicate turns the point down is not timed. The reference is not
+timed: auto selection uses it only as the fallback. An existing table at --out made with the same key keeps
+its other entries.
+
+Only on a GPU: on the CPU the backends are the reference and the Triton and Helion interpreters, whose times say
+nothing about any kernel, so `tune` says so and exits 1 at once. It exits 1 without writing a table, too, when
+no backend but the reference can serve the ops here, and when no point was measured.
+
+Budget (--budget-s): before each point and before each backend's measurement, the time it is predicted to take
+(the same backend's last measurement of the op, per call, scaled by the inputs' bytes, times the calls a
+measurement makes) must fit in what is left; a point is measured whole or not at all (an entry that lacks a
+backend would rank it last). Memory: a point's inputs are first made on the meta device; one whose inputs and
+gradients would not fit in 90 % of the free memory is skipped, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from liger_dispatch import dispatch, settings
+from liger_dispatch import dispatch, settings, timing
 from liger_dispatch.core import selection
 from liger_dispatch.tuning import tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import FallbackWarning
 from liger_dispatch.core.table import REFERENCE
+from liger_dispatch.timing import Inputs
 
+PROG = "python -m liger_dispatch tune"
 DEFAULT_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)
 DEFAULT_BETAS = (0.5, 0.0, 1.0)
 DEFAULT_MHC = ((4, 512, 4, 1024), (4, 2048, 4, 4096))  # (B, T, HC, C)
 CHECK_LOGITS = 2**29
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 2e-3}
-L2_FLUSH_BYTES = 256 * 2**20
+MEMORY_FRACTION = 0.9  # of the free memory a point's inputs and gradients may take
 
 
 @dataclass
 class Point:
-    """One op at one shape: the call's arguments, the leaves whose gradients it makes, the upstream grads."""
+    """One op at one shape: its call (inputs, leaves, upstream gradients), and whether the reference checks it."""
 
     op: str
     shape: str
-    args: tuple
-    kwargs: dict
-    leaves: list
-    upstream: Optional[tuple] = None
+    inputs: Inputs
     check: bool = True
+
+    def describe(self) -> str:
+        return f"{self.op} {self.shape} {self.inputs.kwargs or ''}".rstrip()
 
 
 # ---------------------------------------------------------------- inputs
@@ -79,19 +92,19 @@ def lm_points(op, n, hidden, vocab, dtype, device, betas, target_dtypes):
     check = n * vocab <= CHECK_LOGITS
     x, w = _head(n, hidden, vocab, dtype, device)
     if op == "flce":
-        yield Point(op, shape, (x, w, _labels(n, vocab, device)), {}, [x, w], check=check)
+        yield Point(op, shape, Inputs((x, w, _labels(n, vocab, device)), {}, [x, w]), check)
     elif op == "fused_linear_jsd":
         xt, wt = (t.detach() for t in _head(n, hidden, vocab, dtype, device))
         labels = _labels(n, vocab, device)
         for beta in betas:
-            yield Point(op, shape, (x, w, xt, wt, labels), {"jsd_beta": beta}, [x, w], check=check)
+            yield Point(op, shape, Inputs((x, w, xt, wt, labels), {"jsd_beta": beta}, [x, w]), check)
     elif op == "fused_linear_kl_div":
         for target_dtype in target_dtypes:
             target = torch.empty(n, vocab, dtype=target_dtype, device=device)
             for start in range(0, n, 2048):  # bounds the fp32 temporary
                 rows = target[start:start + 2048]
                 rows.copy_(torch.softmax(torch.randn(rows.shape, device=device) * 2.0, dim=-1))
-            yield Point(op, shape, (x, w, target, _labels(n, vocab, device)), {}, [x, w], check=check)
+            yield Point(op, shape, Inputs((x, w, target, _labels(n, vocab, device)), {}, [x, w]), check)
             target = None
     else:
         raise ValueError(f"tune: no LM-head inputs for op {op!r}")
@@ -105,98 +118,140 @@ def mhc_point(b, t, hc, c, dtype, device):
         leaf.requires_grad_()
     upstream = (torch.randn(b, t, hc, device=device), torch.randn(b, t, hc, device=device),
                 torch.randn(b, t, hc, hc, device=device))
-    return Point("mhc_coeffs", f"B={b} T={t} HC={hc} C={c}", tuple(leaves), {}, leaves, upstream)
+    return Point("mhc_coeffs", f"B={b} T={t} HC={hc} C={c}", Inputs(tuple(leaves), {}, leaves, upstream))
+
+
+# ---------------------------------------------------------------- what to measure
+
+
+def point_groups(args, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[torch.device], Iterator[Point]]]]:
+    """(op, make): make(device) yields the points of one allocation (the betas of one head share its inputs)."""
+    for op in args.ops:
+        if op == "mhc_coeffs":
+            for shape in args.mhc:
+                yield op, lambda device, shape=shape: iter([mhc_point(*shape, dtype, device)])
+            continue
+        target_dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
+        for n in args.n:
+            yield op, lambda device, op=op, n=n: lm_points(op, n, args.hidden, args.vocab, dtype, device, args.betas,
+                                                           target_dtypes)
+
+
+def _bytes(point: Point) -> int:
+    """The point's inputs and the gradients its leaves receive."""
+    return point.inputs.nbytes() + sum(t.numel() * t.element_size() for t in point.inputs.leaves)
+
+
+def too_large(sized: list[Point], device: torch.device) -> Optional[str]:
+    """Why points (made on the meta device) do not fit in this device's free memory, or None."""
+    need = max((_bytes(p) for p in sized), default=0)
+    free = timing.free_bytes(device) if device.type == "cuda" else timing.host_free_bytes()
+    if free is None or need <= MEMORY_FRACTION * free:
+        return None
+    return (f"{sized[0].op} {sized[0].shape}: skipped: its inputs and gradients take {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB free")
+
+
+def backends_for(op: str, device: torch.device, dtype: torch.dtype, asked: Optional[Sequence[str]] = None
+                 ) -> tuple[list[str], dict[str, str]]:
+    """(the backends to time for op here, {the others: why not}), the reference left out. A backend that serves
+    but is not `asked` is among the others: an entry says nothing about a backend it did not measure."""
+    status = dispatch.backend_status(op, device, dtype)
+    serving = [b for b in dispatch.available_backends(op, device=device, dtype=dtype) if b != REFERENCE]
+    usable = [b for b in serving if asked is None or b in asked]
+    others = {b: why for b, why in status.items() if why is not None and b != REFERENCE}
+    others.update({b: "not measured (--backends)" for b in serving if b not in usable})
+    return usable, others
 
 
 # ---------------------------------------------------------------- running and timing
 
 
-def _outputs(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+class Budget:
+    """The run's deadline, and the last per-call time of each (op, backend), to predict its next measurement."""
+
+    def __init__(self, seconds: float, reps: int, warmup_ms: float):
+        self.seconds, self.reps, self.warmup_ms = seconds, reps, warmup_ms
+        self.deadline = time.monotonic() + seconds
+        self._per_call: dict[tuple[str, str], tuple[int, float]] = {}  # (op, backend) -> (bytes, ms)
+
+    def record(self, point: Point, backend: str, ms: float) -> None:
+        self._per_call[(point.op, backend)] = (point.inputs.nbytes(), ms)
+
+    def predict_s(self, point: Point, backend: str) -> float:
+        """Seconds the measurement of `backend` at `point` will take (0 before its op's first one)."""
+        last = self._per_call.get((point.op, backend))
+        if last is None:
+            return 0.0
+        nbytes, ms = last
+        ms *= point.inputs.nbytes() / max(nbytes, 1)
+        # the reference: its one checking call; a backend: check, bench's estimate, warm-up, repetitions
+        calls = 1 if backend == REFERENCE else 2 + max(1, math.ceil(self.warmup_ms / max(ms, 1e-3))) + self.reps
+        return ms * calls / 1e3
+
+    def short(self, seconds: float) -> Optional[str]:
+        """Why `seconds` more do not fit in what is left, or None."""
+        left = self.deadline - time.monotonic()
+        if seconds <= left and left > 0:
+            return None
+        return f"predicted {seconds:.1f} s, {max(left, 0.0):.1f} s of the {self.seconds:.0f} s budget left"
 
 
-def step(fn: Callable, point: Point) -> tuple:
-    """One forward and backward; the forward's outputs, detached."""
-    for leaf in point.leaves:
-        leaf.grad = None
-    outs = _outputs(fn(*point.args, **point.kwargs))
-    torch.autograd.backward(outs, point.upstream)
-    return tuple(o.detach() for o in outs)
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def rel_err(got: tuple, want: tuple) -> float:
-    """The worst relative norm of the difference over the outputs; inf when not finite."""
-    worst = 0.0
-    for g, w in zip(got, want):
-        diff = torch.linalg.vector_norm(g.float() - w.float()).item()
-        worst = max(worst, diff / max(torch.linalg.vector_norm(w.float()).item(), 1e-30))
-    return worst if math.isfinite(worst) else math.inf
-
-
-class Timer:
-    """Medians of repeated calls: CUDA events with L2 flushed before each repetition, or a host clock."""
-
-    def __init__(self, device: torch.device, reps: int, warmup: int):
-        self.device, self.reps, self.warmup = device, reps, warmup
-        self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-
-    def median_ms(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.reps):
-            if self.flush is None:
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) * 1e3)
-                continue
-            self.flush.zero_()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
-
-
-def backends_for(op: str, device: torch.device, dtype: torch.dtype) -> tuple[list[str], dict[str, str]]:
-    """(the backends that can serve op here, {the others: why not}), the reference left out."""
-    status = dispatch.backend_status(op, device, dtype)
-    usable = [b for b in dispatch.available_backends(op, device=device, dtype=dtype) if b != REFERENCE]
-    return usable, {b: why for b, why in status.items() if why is not None and b != REFERENCE}
-
-
-def measure(point: Point, backends: list[str], timer: Timer, dtype: torch.dtype, log) -> dict[str, float]:
-    """{backend: ms} of the backends that serve the point and agree with the reference."""
+def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch.device, budget: Budget,
+            log) -> Optional[dict[str, float]]:
+    """{backend: ms} of the backends that serve the point and agree with the reference; None when the budget
+    does not reach every backend (no entry is better than one missing a backend)."""
+    inputs = point.inputs
+    why = budget.short(sum(budget.predict_s(point, b) for b in [REFERENCE, *backends]))
+    if why:
+        log(f"    not reached: {why}")
+        return None
     want = None
     if point.check:
-        with torch.no_grad():
-            want = _outputs(dispatch.op(point.op, backend=REFERENCE)(*point.args, **point.kwargs))
+        try:
+            start = time.perf_counter()
+            want = timing.run(dispatch.op(point.op, backend=REFERENCE), inputs)
+            budget.record(point, REFERENCE, (time.perf_counter() - start) * 1e3)
+        except Exception as exc:  # out of memory, say: nothing to check the backends against
+            log(f"    the reference FAILED ({_describe(exc)}); not timed")
+            return {}
     times = {}
     for backend in backends:
+        why = budget.short(budget.predict_s(point, backend))
+        if why:
+            log(f"    {backend}: not reached: {why}")
+            return None
         handle = dispatch.op(point.op, backend=backend)
-        if handle.select(*point.args, **point.kwargs).backend != backend:
+        if handle.select(*inputs.args, **inputs.kwargs).backend != backend:
             log(f"    {backend}: does not serve this shape")
             continue
         try:
-            got = step(handle, point)  # also the first (compiling) call
-            err = rel_err(got, want) if want is not None else 0.0
-            if err > TOLERANCE[dtype]:
-                log(f"    {backend}: MISMATCH with the reference (relative error {err:.2e}); not timed")
+            got = timing.run(handle, inputs)  # also the first (compiling) call
+            errors = timing.compare(got, want) if want is not None else None
+            got = None  # its gradients: the size of the leaves
+            if errors is not None and not timing.passes(errors, dtype):
+                log(f"    {backend}: MISMATCH with the reference (relative error: outputs {errors[0]:.2e}, "
+                    f"gradients {errors[1]:.2e}); not timed")
                 continue
-            times[backend] = timer.median_ms(lambda: step(handle, point))
+            times[backend] = timing.bench(lambda: timing.backward(timing.forward(handle, inputs), inputs),
+                                          inputs.leaves, device, warmup_ms=budget.warmup_ms, rep_ms=0.0,
+                                          min_reps=budget.reps).ms
         except Exception as exc:  # one backend failing (out of memory, say) must not end the whole run
-            log(f"    {backend}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); not timed")
+            log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
             continue
+        budget.record(point, backend, times[backend])
         log(f"    {backend}: {times[backend]:.3f} ms" + ("" if want is not None else " (not checked: too large)"))
     return times
 
 
 def entry(point: Point, dtype: torch.dtype, times: dict[str, float], unavailable: dict[str, str]) -> dict:
     """A table entry; `unavailable` keeps it from ordering calls where one of those backends can serve."""
-    n, rest = tuned.bucket_of(point.op, point.args, point.kwargs)
+    n, rest = tuned.bucket_of(point.op, point.inputs.args, point.inputs.kwargs)
     fastest_first = sorted(times.items(), key=lambda item: item[1])
     return {"op": point.op, "dtype": dtype_name(dtype), "n": n, "bucket": tuned.describe_rest(rest),
             "shape": point.shape, "ms": {b: round(t, 4) for b, t in fastest_first}, "unavailable": unavailable}
@@ -211,50 +266,76 @@ def merged(path: Path, key: dict, entries: list[dict], log) -> list[dict]:
     except tuned.TunedTableError as exc:
         log(f"overwriting {path}: {exc}")
         return entries
-    if old_key != key:
+    if not tuned.same_key(old_key, key):
         log(f"overwriting {path}: it was made on {tuned.describe_key(old_key)}")
         return entries
     fresh = {(e["op"], e["dtype"], e["n"], e["bucket"]) for e in entries}
     return [e for e in old_entries if (e["op"], e["dtype"], e["n"], e["bucket"]) not in fresh] + entries
 
 
-def points(args, dtype: torch.dtype, device: torch.device):
-    for op in args.ops:
-        if op == "mhc_coeffs":
-            for b, t, hc, c in args.mhc:
-                yield mhc_point(b, t, hc, c, dtype, device)
-            continue
-        target_dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
-        for n in args.n:
-            yield from lm_points(op, n, args.hidden, args.vocab, dtype, device, args.betas, target_dtypes)
+def _refuse(why: str) -> int:
+    print(f"{PROG}: {why}; no table written", file=sys.stderr)
+    return 1
 
 
-def run(args, device: str, dtype: torch.dtype) -> int:
+def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> int:
+    """The tune command; 0 when it wrote a table. interpreted=True times the CPU's interpreted backends anyway
+    (the project's tests: the path, not the numbers)."""
     device = torch.device(device)
+    if device.type != "cuda" and not interpreted:
+        return _refuse(f"nothing to tune on the {device.type}: the backends that serve there are the reference and "
+                       "the Triton and Helion interpreters, whose times say nothing about a GPU kernel; run it on "
+                       "the GPU the table is for")
     log = print
+    plan = {op: backends_for(op, device, dtype, args.backends) for op in args.ops}
+    if not any(usable for usable, _ in plan.values()):
+        reasons = "; ".join(f"{op}: " + (", ".join(f"{b} ({why})" for b, why in others.items()) or "only the reference")
+                            for op, (_, others) in plan.items())
+        return _refuse(f"nothing to tune on {device}, {dtype_name(dtype)}: no backend but the reference serves "
+                       f"({reasons})")
     key = tuned.device_key(device)
     log(f"tuning on {tuned.describe_key(key)}, {dtype_name(dtype)}")
-    timer = Timer(device, args.reps, args.warmup)
-    deadline = time.monotonic() + args.budget_s
+    for op, (usable, others) in plan.items():
+        if not usable:
+            log(f"  {op}: not tuned: no backend but the reference serves here "
+                f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
+    budget = Budget(args.budget_s, args.reps, args.warmup_ms)
     entries, left = [], 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # a backend that falls back is reported, not timed
-        for point in points(args, dtype, device):
-            if time.monotonic() > deadline:
-                left += 1
+        for op, make in point_groups(args, dtype):
+            usable, unavailable = plan[op]
+            if not usable:
+                continue  # said before the loop
+            sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
+            why = too_large(sized, device)
+            if why:
+                log(f"  {why}")
                 continue
-            log(f"  {point.op} {point.shape} {point.kwargs or ''}")
-            usable, unavailable = backends_for(point.op, device, dtype)
-            for backend, why in unavailable.items():
-                log(f"    {backend}: NOT AVAILABLE here ({why}); the entry will not order calls where it is")
-            times = measure(point, usable, timer, dtype, log)
-            if times:
-                entries.append(entry(point, dtype, times, unavailable))
-            point = None
+            why = budget.short(sum(budget.predict_s(p, b) for p in sized for b in [REFERENCE, *usable]))
+            if why:
+                log(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
+                left += len(sized)
+                continue
+            try:
+                for point in make(device):
+                    log(f"  {point.describe()}")
+                    for backend, reason in unavailable.items():
+                        log(f"    {backend}: NOT AVAILABLE here ({reason}); the entry will not order calls where it is")
+                    times = measure(point, usable, dtype, device, budget, log)
+                    left += times is None
+                    if times:
+                        entries.append(entry(point, dtype, times, unavailable))
+                    point = None
+            except Exception as exc:  # making the inputs ran out of memory, say
+                log(f"  {op}: FAILED ({_describe(exc)})")
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if left:
         log(f"time budget ({args.budget_s:.0f} s) spent: {left} points not reached")
+    if not entries:
+        return _refuse("no point was measured (the reasons are above)")
     out = Path(args.out)
     table = {"format": tuned.FORMAT, "key": key, "written": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
@@ -278,7 +359,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--betas", nargs="+", type=float, default=list(DEFAULT_BETAS), help="fused_linear_jsd betas")
     parser.add_argument("--mhc", nargs="+", type=_mhc_shape, default=list(DEFAULT_MHC), metavar="BxTxHCxC",
                         help="mhc_coeffs shapes (default: 4x512x4x1024 4x2048x4x4096)")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions a backend and point (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed calls after the first")
-    parser.add_argument("--budget-s", type=float, default=170.0, help="stop starting points after this long")
+    parser.add_argument("--backends", nargs="+", help="time only these (default: every backend that serves here)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions a backend and point, at least (median)")
+    parser.add_argument("--warmup-ms", type=float, default=0.0,
+                        help="untimed calls after the checking one and bench's estimate, in ms (at least one call)")
+    parser.add_argument("--budget-s", type=float, default=170.0,
+                        help="the run's time: no point or backend starts that is predicted to end after it")
     parser.add_argument("--out", default="liger-tuned.json", help="the table to write (merged when its key matches)")

@@ -1,10 +1,14 @@
 """Measured auto-selection: per-device tables of the fastest backend for each (op, dtype, shape bucket).
 
 `python -m liger_dispatch tune` (liger_dispatch/tuning/tune.py) times every backend that can serve each point on
-the current GPU and writes a table. A table is keyed by the GPU's name, its compute capability and the
-versions of torch, triton, helion and nvidia-cutlass-dsl: a table whose key differs from this process's
-(another GPU, other library versions) is ignored, never applied. The committed tables live in
-liger_dispatch/tuning/tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
+the current GPU and writes a table. A table is keyed by what decides the kernels' times: the GPU's name and
+compute capability, the versions of the DSLs that generate the kernels (triton, helion, nvidia-cutlass-dsl) and
+torch's major.minor version (its cuBLAS GEMMs and autograd). torch's patch level and local build tag (+cu130,
++cpu) are not in the key: a table made with torch 2.11.0+cu130 applies under 2.11.1+cu128 alike, since the
+kernels and the GEMMs' algorithms they are ranked by come from the same releases. A table whose key differs
+from this process's (another GPU, another DSL release, another torch minor) is ignored, never applied; a key
+written with torch's full version (tables made before) is read as its major.minor. The committed tables live
+in liger_dispatch/tuning/tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
 os.pathsep), whose entries win over the committed ones.
 
 Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
@@ -32,6 +36,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +61,15 @@ class TunedTableError(LigerDispatchError):
 # ---------------------------------------------------------------- the key: which GPU and library versions
 
 
+def major_minor(version: Optional[str]) -> Optional[str]:
+    """"2.11.0+cu130" -> "2.11" (a version without a major.minor is kept as it is)."""
+    match = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    return f"{match[1]}.{match[2]}" if match else version
+
+
 def _version(distribution: str) -> Optional[str]:
     if distribution == "torch":
-        return torch.__version__
+        return major_minor(torch.__version__)
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -73,6 +84,18 @@ def device_key(device: torch.device) -> dict:
     else:
         name, capability = device.type, None
     return {"device": name, "capability": capability, **{lib: _version(lib) for lib in LIBRARIES}}
+
+
+def normal_key(key) -> dict:
+    """A table's key as this version compares it: torch at major.minor (tables made before wrote its full version)."""
+    key = dict(key) if isinstance(key, dict) else {}
+    if "torch" in key:
+        key["torch"] = major_minor(key["torch"])
+    return key
+
+
+def same_key(a: dict, b: dict) -> bool:
+    return normal_key(a) == normal_key(b)
 
 
 def describe_key(key: dict) -> str:
@@ -209,7 +232,7 @@ class DeviceTables:
             except TunedTableError as exc:
                 self.ignored.append(str(exc))
                 continue
-            if table_key != key:
+            if not same_key(table_key, key):
                 self.ignored.append(f"{path}: made on {describe_key(table_key)}")
                 continue
             self.applied.append(str(path))

@@ -1,0 +1,313 @@
+"""How a backend is measured, by `python -m liger_dispatch tune` and the benchmark harness (benchmarks/) alike:
+one call's forward and backward, its agreement with a reference, its time and peak memory, and the host clocks.
+
+Time: on a GPU, CUDA events around each repetition, as triton.testing.do_bench takes them, with L2 flushed (a
+256 MB buffer zeroed) and gradients set to None before every call, warm-up included, both outside the timed
+window; with flush=False, no flush: what the previous repetition left in L2 stays (a repeated training step).
+Median and p20/p80. On the CPU (the harness's and tuning's own tests): a host clock.
+
+Agreement: the relative norm of the difference, per output and per gradient, the worst of each; NaN when an
+output is missing, misshapen or not finite, so it never passes a tolerance.
+
+Host clocks (perf_counter around the call, the stream synchronized before and after): what a call costs the CPU,
+and calls back to back (host- or GPU-bound, whichever binds); kernels per call from torch.profiler; a CUDA
+graph's replay time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench zeroes to flush L2
+DEFAULT_L2_BYTES = 60 * 2**20
+# ||got - want|| / ||want||; bf16/fp16 operands land between 1e-3 and 1e-2, fp32 (or tf32 inside) near 3e-4.
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
+
+
+# ---------------------------------------------------------------- one call
+
+
+@dataclass
+class Inputs:
+    """One call's arguments, the leaves whose gradients it makes, and the upstream gradients of its outputs."""
+
+    args: tuple
+    kwargs: dict
+    leaves: list[torch.Tensor]  # the tensors whose gradients the op produces
+    upstream: Optional[tuple[torch.Tensor, ...]] = None  # grads fed to backward when the op has several outputs
+
+    def nbytes(self) -> int:
+        """Bytes of the tensor arguments."""
+        return sum(t.numel() * t.element_size() for t in self.args if isinstance(t, torch.Tensor))
+
+
+def forward(fn: Callable, inputs: Inputs):
+    return fn(*inputs.args, **inputs.kwargs)
+
+
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def backward(out, inputs: Inputs, retain_graph: bool = False) -> None:
+    torch.autograd.backward(outputs(out), inputs.upstream, retain_graph=retain_graph)
+
+
+def reset_grads(grads: Sequence[torch.Tensor]) -> None:
+    for t in grads:
+        t.grad = None
+
+
+@dataclass
+class Result:
+    """What one call produced: its outputs and the gradients of the inputs' leaves (empty in fwd mode)."""
+
+    outs: list[torch.Tensor]
+    grads: list[Optional[torch.Tensor]]
+
+
+def run(fn: Callable, inputs: Inputs, mode: str = "fwd+bwd") -> Result:
+    """One call on `inputs` in `mode` (fwd: no autograd); leaves' grads are reset before and after."""
+    reset_grads(inputs.leaves)
+    if mode == "fwd":
+        with torch.no_grad():
+            return Result([o.detach() for o in outputs(forward(fn, inputs))], [])
+    out = forward(fn, inputs)
+    backward(out, inputs)
+    grads = [leaf.grad for leaf in inputs.leaves]
+    reset_grads(inputs.leaves)
+    return Result([o.detach() for o in outputs(out)], grads)
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def rel_err(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
+    """Relative norm of the difference; NaN when `got` is missing, misshapen or not finite."""
+    if got is None or want is None:
+        return 0.0 if got is None and want is None else math.nan
+    if got.shape != want.shape:
+        return math.nan
+    diff = torch.linalg.vector_norm(got.float() - want.float()).item()
+    scale = torch.linalg.vector_norm(want.float()).item()
+    if not math.isfinite(diff):
+        return math.nan
+    return diff / scale if scale > 0 else diff
+
+
+def compare(got: Result, want: Result) -> tuple[float, float]:
+    """(worst output error, worst gradient error); NaN propagates."""
+    def worst(pairs):
+        errs = [rel_err(g, w) for g, w in pairs]
+        return max(errs, key=lambda e: math.inf if math.isnan(e) else e, default=0.0)
+
+    if len(got.outs) != len(want.outs):
+        return math.nan, math.nan
+    return worst(zip(got.outs, want.outs)), worst(zip(got.grads, want.grads))
+
+
+def passes(errors: tuple[float, float], dtype: torch.dtype) -> bool:
+    tol = TOLERANCE[dtype]
+    return all(e <= tol for e in errors)  # NaN compares False
+
+
+# ---------------------------------------------------------------- time and memory
+
+
+@dataclass(frozen=True)
+class Timing:
+    ms: float
+    p20: float
+    p80: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
+          min_reps: int = 5, flush: bool = True) -> Timing:
+    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions, each after its gradients
+    are reset and (unless flush=False) L2 is flushed, both outside the timed window."""
+    reset_grads(grads)
+    estimate = max(wall_ms(fn, device), 1e-3)  # also the first warm-up call
+    rep_ms = max(rep_ms, min_reps * estimate)
+    if device.type == "cuda":
+        return _events(fn, grads, reps=max(min_reps, round(rep_ms / estimate)),
+                       warmups=max(1, round(warmup_ms / estimate)), flush=flush)
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < min_reps or time.perf_counter() < deadline:
+        reset_grads(grads)
+        times.append(wall_ms(fn, device))
+    return summarize(times)
+
+
+def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> Timing:
+    """triton.testing.do_bench's measurement, with every call, its warm-up and estimate calls too, starting from
+    reset gradients (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are
+    overwritten by the next replay, and autograd would read them to accumulate): CUDA events around each
+    repetition, L2 flushed before it by zeroing a buffer larger than L2 (unless flush=False), one synchronization
+    at the end."""
+    cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
+    for _ in range(warmups):
+        reset_grads(grads)
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        reset_grads(grads)
+        if cache is not None:
+            cache.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([start.elapsed_time(end) for start, end in events])
+
+
+def summarize(values: Sequence[float]) -> Timing:
+    """Median, p20 and p80 (a single measurement is all three)."""
+    if len(values) < 2:
+        return Timing(values[0], values[0], values[0])
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return Timing(statistics.median(values), q[1], q[7])
+
+
+def peak_mb(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device) -> Optional[float]:
+    """Peak memory allocated during one call above what was allocated before it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    reset_grads(grads)
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def matmul_tflops(device: torch.device, rep_ms: float) -> float:
+    """bf16 GEMM rate (8192^3 on a GPU; fp32 1024^3 on the CPU, only so the harness runs there)."""
+    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    t = bench(lambda: a @ b, [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
+    return 2 * size**3 / (t.ms * 1e-3) / 1e12
+
+
+def copy_gbps(device: torch.device, rep_ms: float) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written (1 GiB on a GPU, 64 MiB on the CPU)."""
+    nbytes = 2**30 if device.type == "cuda" else 2**26
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
+    return 2 * nbytes / (t.ms * 1e-3) / 1e9
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_L2_BYTES
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", DEFAULT_L2_BYTES)
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Memory a new allocation can still get (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def host_free_bytes() -> Optional[int]:
+    """Physical memory the host has free now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------- host clocks
+
+
+def host_us(fn: Callable, device: torch.device, calls: int, grads: Sequence[torch.Tensor] = ()) -> float:
+    """Median host time of one call, the stream idle when it starts (nothing waits for room in the queue);
+    `grads` are reset before each call, outside the timed window."""
+    times = []
+    for _ in range(calls):
+        reset_grads(grads)
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    synchronize(device)
+    reset_grads(grads)
+    return statistics.median(times) * 1e6
+
+
+def loop_us(fn: Callable, device: torch.device, calls: int, args: tuple = ()) -> float:
+    """Per call of fn(*args), of `calls` calls back to back and one synchronization at each end."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    synchronize(device)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def wall_us(fn: Callable, device: torch.device, calls: int, tries: int = 3) -> float:
+    """The best of `tries` loop_us: host- or GPU-bound, whichever binds."""
+    return min(loop_us(fn, device, calls) for _ in range(tries))
+
+
+def kernels(fn: Callable, device: torch.device, calls: int = 1,
+            grads: Sequence[torch.Tensor] = ()) -> Optional[list[tuple[str, float]]]:
+    """(name, us) of every CUDA kernel and memset `calls` calls issue (torch.profiler), `grads` reset before each
+    call (autograd would otherwise add the new gradient into the old one); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    reset_grads(grads)
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            reset_grads(grads)
+            fn()
+        synchronize(device)
+    reset_grads(grads)
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
+    """Per replay of fn captured in one CUDA graph (warmed up on a side stream first, as torch.cuda.graph asks),
+    replays back to back: the GPU's time for the call with no host in the way; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return wall_us(graph.replay, device, calls)
