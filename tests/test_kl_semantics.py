@@ -221,3 +221,42 @@ def test_fused_linear_unnormalized_log_target_within_twice_torch_error(backend, 
     for what, o, t, e in zip(("loss", "input.grad", "weight.grad"), ours, reference, exact):
         assert within_twice_torch(error(o, e), error(t, e)), \
             f"{backend} {dtype} {what}: error {error(o, e):.3g} vs torch's {error(t, e):.3g}"
+
+
+# ---------------------------------------------------------------- vocab-parallel ops and the host check
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocab_parallel_ops_bad_targets_as_torch(backend):
+    """kl_div_vp_stats / kl_div_vp_grad on one slice (the whole vocabulary): loss = q log q - q s + lse Q per row
+    (liger_dispatch/vocab_parallel.py), NaN where torch's is, gradient as torch's."""
+    from liger_dispatch.vocab_parallel import kl_div_rows
+
+    cases = probability_cases()
+    target = torch.cat(list(cases.values()))
+    student = torch.randn(target.shape[0], V) * 2
+    stats = dispatch.op("kl_div_vp_stats", backend=backend)(student, target, None, temperature=0.7, eps=EPS)
+    grad = student.clone()
+    dispatch.op("kl_div_vp_grad", backend=backend)(grad, target, stats[:, 0], stats[:, 1], None, temperature=0.7)
+    want_loss, want_grad = expected_rows(student, target, log_target=False, temperature=0.7)
+    loss = kl_div_rows(stats)
+    plus_inf = list(cases).index("+inf")  # the combined statistics give inf - inf: NaN, not torch's +inf
+    assert not loss[plus_inf].isfinite()
+    keep = torch.arange(len(cases)) != plus_inf
+    assert_rows_agree(loss[keep], want_loss[keep], f"{backend} vocab-parallel loss", rtol=1e-4, atol=1e-4)
+    assert_grads_agree(grad, want_grad, f"{backend} vocab-parallel gradient", rtol=1e-5, atol=1e-6)
+
+
+def test_host_check_names_a_negative_probability():
+    from liger_dispatch.errors import InputError
+    from liger_dispatch.registry import checks
+
+    good = probabilities(2)
+    checks.probabilities("target", good, log_target=False)
+    checks.probabilities("target", good.log(), log_target=True)  # log-targets: any real number
+    with pytest.raises(InputError, match="target holds -0.25, a negative probability"):
+        bad = good.clone()
+        bad[1, 3] = -0.25
+        checks.probabilities("target", bad, log_target=False)
+    with pytest.raises(InputError, match="log_target=True"):
+        checks.probabilities("target", good.log(), log_target=False)
