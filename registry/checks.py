@@ -108,3 +108,16 @@ def grad_scale(value, n_rows: int) -> None:
 def last_dim_contiguous(name: str, value: torch.Tensor) -> None:
     if value.dim() > 0 and value.shape[-1] > 1 and value.stride(-1) != 1:
         raise InputError(f"{name} must have a contiguous last dimension (stride 1), got strides {value.stride()}")
+
+
+def probabilities(name: str, target: torch.Tensor, log_target: bool) -> None:
+    """A KL target of probabilities has no negative entry (LIGER_CHECKS=full host check; one aminmax, one sync).
+
+    Without it a negative probability makes its row's loss NaN, as torch's kl_div does (benchmarks/kl_semantics.md);
+    log-targets (log_target=True) are any real numbers and are not checked. NaN entries are not caught here.
+    """
+    if log_target or target.numel() == 0:
+        return
+    low = float(torch.aminmax(target).min)
+    if low < 0:
+        raise InputError(f"{name} holds {low}, a negative probability (log-probabilities need log_target=True)")

@@ -3,7 +3,15 @@
 loss = sum_j q_j (log q_j - s_j + lse) = A - B + lse * Q with A = sum q log q (0 log 0 = 0), B = sum q s,
 Q = sum q: none of A, B, Q needs lse, so pass 1 gathers them beside the softmax state and pass 2 writes
 dL/ds_j = softmax_j * Q - q_j (times 1/T and grad_scale) over the student logits.
+
+Targets (benchmarks/kl_semantics.md): 0 log 0 = 0 (also a log-target of -inf), a negative probability makes the
+row's loss NaN (torch's kl_div: NaN) with the gradient softmax * Q - q as torch's, log-targets may be unnormalized.
+Not run on a GPU since these changes (precise_exp, the NaN), only compiled for sm_90a. Known precision gaps against
+torch fp32, not fixed here: the loss A - B + lse Q cancels between terms of size Q |lse| when the KL is small, and
+the softmax is scaled to base 2 before the max is subtracted (backends/triton/kl_div.py, shifted_softmax_step).
 """
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -20,6 +28,19 @@ from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, 
                        pick_vec, row_limits, scale_view)
 
 LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", RowLaunch(threads=256, unroll=2))
+LN2_HI = 0.693145751953125  # ln 2 to 12 significant bits: n * LN2_HI is exact for |n| < 2^12
+LN2_LO = 1.4286068203094173e-06  # ln 2 - LN2_HI
+
+
+@cute.jit
+def precise_exp(x: cute.TensorSSA):
+    """e^x to about an ulp (Cody-Waite, as backends/triton/kl_div.py): 2^n * 2^(r log2 e), n = round(x log2 e) in
+    [-126, 127], r = x - n ln 2. exp2(x * log2 e) rounds the product: 2^-24 |x log2 e| in the exponent, 7 ulps of
+    e^x at |x| = 12, which unnormalized log-targets pass on to the loss and the gradient. -inf gives 0."""
+    y = x * LOG2E
+    n = cute.math.roundeven(cute.where(y < -126.0, -126.0, cute.where(y > 127.0, 127.0, y)))
+    r = (x - n * LN2_HI) - n * LN2_LO
+    return cute.math.exp2(n, fastmath=True) * cute.math.exp2(r * LOG2E, fastmath=True)
 
 
 class KLDivKernel:
@@ -41,12 +62,14 @@ class KLDivKernel:
 
     @cute.jit
     def target(self, t: cute.TensorSSA, eps: Float32):
-        """(q, q log q) per element, natural log, q log q = 0 where q = 0."""
+        """(q, q log q) per element, natural log, q log q = 0 where q = 0; NaN for a negative probability (its row's
+        loss is NaN, as torch's kl_div; q, and so the gradient, stays as given). A log-target's q = e^t to about an
+        ulp (precise_exp), -inf gives q = 0."""
         if const_expr(self.log_target):
-            q = cute.math.exp2(t * LOG2E, fastmath=True)
-            return q, cute.where(q > 0.0, q * t, 0.0)
+            q = precise_exp(t)
+            return q, cute.where(q != 0.0, q * t, 0.0)
         log_q = cute.math.log2(cute.where(t > eps, t, eps), fastmath=True) * LN2
-        return t, t * log_q
+        return t, cute.where(t < 0.0, math.nan, t * log_q)
 
     @cute.jit
     def statistics(self, student: RowTiles, target: RowTiles, n_full: Int32, tail: Boolean, inv_temp: Float32,

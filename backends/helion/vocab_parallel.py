@@ -22,6 +22,7 @@ from ._support import (
     CAPABILITY, FLT_MIN, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
     needs_int64, online_softmax_step, row_config, row_scale, valid_rows,
 )
+from .kl_div import precise_exp, target_log
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
@@ -280,15 +281,11 @@ def _kl_div_stats(
             in_row = tile_v.index[None, :] < V
             m, alpha, e = online_softmax_step(m, s * LOG2E, in_row)
             d = d * alpha + e
-            if log_target:
-                q = torch.where(in_row, exp2(tq * LOG2E), 0.0)  # lanes past V loaded log q = 0
-                log_q = tq
-            else:
-                q = tq
-                log_q = log2(torch.clamp_min(q, eps)) * LN2
+            q, log_q = target_log(tq, eps, log_target)
+            q = torch.where(in_row, q, 0.0)  # lanes past V loaded 0: log q = 0 with log_target
             q_sum = q_sum + q
-            # 0 log 0 = 0, also where log q is -inf (eps = 0, or a log-target of -inf)
-            q_log_q = q_log_q + torch.where(q > 0.0, q * log_q, 0.0)
+            # 0 log 0 = 0, also where log q is -inf (eps = 0, or a log-target of -inf); NaN for q < 0
+            q_log_q = q_log_q + torch.where(q != 0.0, q * log_q, 0.0)
             q_s = q_s + q * s
         stats[tile_c, 0] = torch.where(valid, (m + log2(torch.sum(d, dim=1))) * LN2, 0.0)
         stats[tile_c, 1] = torch.where(valid, torch.sum(q_sum, dim=1), 0.0)
@@ -319,7 +316,7 @@ def _kl_div_grad(
         for tile_v in hl.tile(V, block_size=block_v):
             s2 = load_f32(student, tile_c, tile_v, row_mask, STREAM) * (inv_temp * LOG2E)
             tq = load_f32(target, tile_c, tile_v, row_mask, STREAM)
-            q = exp2(tq * LOG2E) if log_target else tq
+            q = precise_exp(tq) if log_target else tq
             g = g_scale[:, None] * (exp2(s2 - lse2[:, None]) * total_q[:, None] - q)
             student[tile_c, tile_v] = torch.where(row_mask, g, 0.0).to(student.dtype)
 
@@ -416,8 +413,8 @@ def kl_div_vp_stats(student_logits, target, labels=None, *, ignore_index=-100, t
     """[C, 4] fp32 per row of this slice: (lse of s = student / T, sum q, sum q log q, sum q s)."""
     stats, C, V = row_stats(student_logits, 4, labels, ignore_index, lse_columns=(0,))
     if C and V:
-        KL_DIV_STATS(student_logits, target, labels, stats, int(ignore_index), 1.0 / temperature, float(eps),
-                     bool(log_target), **_launch(student_logits, target))
+        KL_DIV_STATS(student_logits, target, labels, stats, int(ignore_index), 1.0 / temperature,
+                     max(float(eps), FLT_MIN), bool(log_target), **_launch(student_logits, target))
     return stats
 
 

@@ -70,25 +70,36 @@ def log_mixture(log_p, log_q, beta):
     return torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
 
 
-def target_terms(target, *, eps, log_target):
-    """(q, q log q) elementwise from KL target probabilities, or log-probabilities with log_target; 0 log 0 = 0."""
+def target_log(target, *, eps, log_target):
+    """(q, log q) elementwise from KL targets (benchmarks/kl_semantics.md).
+
+    Probabilities: log q = log(max(q, eps)), and NaN for a negative q (its row's loss is NaN, as torch's).
+    Log-probabilities (log_target): q = exp(target) and log q = target itself, eps unused; -inf is q = 0.
+    """
     if log_target:
-        q, log_q = target.exp(), target
-    else:
-        q, log_q = target, torch.log(target.clamp_min(eps))
-    return q, torch.where(q > 0, q * log_q, 0.0)  # also keeps eps=0 and log_target=-inf finite
+        return target.exp(), target
+    return target, torch.where(target < 0, float("nan"), torch.log(target.clamp_min(eps)))
+
+
+def target_terms(target, *, eps, log_target):
+    """(q, q log q) elementwise from KL targets; 0 log 0 = 0 (also for eps = 0 and a log-target of -inf)."""
+    q, log_q = target_log(target, eps=eps, log_target=log_target)
+    return q, torch.where(q == 0, 0.0, q * log_q)
 
 
 def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False):
-    """KL(target || softmax(student/T)) per row; target entries equal to 0 contribute 0.
+    """KL(target || softmax(student/T)) per row: sum_j q_j (log q_j - log_softmax_j), 0 log 0 = 0.
 
-    Probabilities: log q = log(max(q, eps)). Log-probabilities (log_target): q = exp(target) and
-    log q = target itself, eps unused (as torch.nn.functional.kl_div(log_target=True)).
+    Probabilities: log q = log(max(q, eps)); a negative one makes the row NaN (torch's kl_div: NaN), its gradient
+    stays softmax * sum q - q (torch's too). Log-probabilities (log_target): q = exp(target) and log q = target
+    itself, eps unused (as torch.nn.functional.kl_div(log_target=True)), except that -inf is q = 0 and adds 0
+    (torch: 0 * -inf = NaN). Each term is q (log q - log softmax), one product: q log q - q log softmax would
+    cancel between two terms of size q |log q| when log q is close to log softmax.
     """
     dtype = compute_dtype(student_logits, target)
     log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
-    q, q_log_q = target_terms(target.detach().to(dtype), eps=eps, log_target=log_target)
-    loss = (q_log_q - q * log_s).sum(dim=-1)
+    q, log_q = target_log(target.detach().to(dtype), eps=eps, log_target=log_target)
+    loss = torch.where(q == 0, 0.0, q * (log_q - log_s)).sum(dim=-1)
     valid = valid_rows(labels, ignore_index, loss.shape[0], loss.device)
     return torch.where(valid, loss, 0.0)
 
