@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from liger_dispatch import settings
 from liger_dispatch.compose import fused_linear as fl
 from liger_dispatch.compose.grad_bounds import TEMP_ELEMENTS, Bound, norm, wide
 from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
@@ -76,6 +77,13 @@ def check_vp_grad(a):
     heads.row_stats("target_sum", a.target_sum, n, None)
     c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+
+
+def target_probabilities(a):
+    """Under LIGER_CHECKS=full, a negative probability is an InputError naming the target (without it, its row's loss
+    is NaN, as torch's kl_div gives it: benchmarks/kl_semantics.md)."""
+    if settings.CHECKS.get() == "full":
+        c.probabilities("target", a.target, a.log_target)
 
 
 def probe(a):
@@ -157,13 +165,14 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
 
 
 OPS = (
-    OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, fake=heads.fake_rows,
+    OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, value_check=target_probabilities, fake=heads.fake_rows,
            summary="per-row KL(target || student); gradient written into the student logits"),
     OpSpec(VP_STATS_SCHEMA, "kernel", check_vp_stats, fake=heads.fake_stats(4),
            summary="vocab-parallel KL: a slice's row stats (lse, q, q log q, q s)"),
     OpSpec(VP_GRAD_SCHEMA, "kernel", check_vp_grad, fake=heads.fake_in_place,
            summary="vocab-parallel KL: a slice's gradient from the global stats"),
-    OpSpec(SCHEMA, "user", check_fused_linear_kl_div, composed_of=("kl_div_loss_and_grad",), compose=compose,
+    OpSpec(SCHEMA, "user", check_fused_linear_kl_div, value_check=target_probabilities,
+           composed_of=("kl_div_loss_and_grad",), compose=compose,
            probe=probe, differentiable=("student_input", "student_weight"),
            autocast=("student_input", "student_weight"), impl_extra=heads.NEED_GRADS, fake=heads.fake_scalar_loss,
            vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "target": -1},

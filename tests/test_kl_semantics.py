@@ -229,8 +229,8 @@ def test_fused_linear_unnormalized_log_target_within_twice_torch_error(backend, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vocab_parallel_ops_bad_targets_as_torch(backend):
     """kl_div_vp_stats / kl_div_vp_grad on one slice (the whole vocabulary): loss = q log q - q s + lse Q per row
-    (liger_dispatch/vocab_parallel.py), NaN where torch's is, gradient as torch's."""
-    from liger_dispatch.vocab_parallel import kl_div_rows
+    (liger_dispatch/compose/vocab_parallel.py), NaN where torch's is, gradient as torch's."""
+    from liger_dispatch.compose.vocab_parallel import kl_div_rows
 
     cases = probability_cases()
     target = torch.cat(list(cases.values()))
@@ -260,3 +260,19 @@ def test_host_check_names_a_negative_probability():
         checks.probabilities("target", bad, log_target=False)
     with pytest.raises(InputError, match="log_target=True"):
         checks.probabilities("target", good.log(), log_target=False)
+
+
+@pytest.mark.parametrize("op", ["fused_linear_kl_div", "kl_div_loss_and_grad"])
+def test_full_checks_name_a_negative_probability(monkeypatch, op):
+    from liger_dispatch.errors import InputError
+
+    monkeypatch.setenv("LIGER_CHECKS", "full")
+    target = torch.softmax(torch.randn(2, V), dim=-1)
+    target[1, 3] = -0.25
+    if op == "fused_linear_kl_div":
+        args = (torch.randn(2, 8), torch.randn(V, 8), target)
+    else:
+        args = (torch.randn(2, V), target)
+    with pytest.raises(InputError, match="target holds -0.25, a negative probability"):
+        dispatch.op(op, backend="reference")(*args)
+    dispatch.op(op, backend="reference")(*args[:-1], target.abs())  # valid probabilities pass
