@@ -3,7 +3,7 @@ implements it. Importing this module declares everything; backend modules are im
 
 from liger_dispatch import settings
 from liger_dispatch.discovery import declare_backend_devices
-from liger_dispatch.registry import losses, mhc, vocab_parallel
+from liger_dispatch.registry import logprobs, losses, mhc, vocab_parallel
 from liger_dispatch.table import declare_op_locations
 
 BACKENDS = ("reference", "triton", "cutedsl", "helion")
@@ -15,12 +15,15 @@ KERNEL_MODULES = {
     "kl_div_loss_and_grad": "kl_div",
     "mhc_coeff_fwd": "mhc",
     "mhc_coeff_bwd": "mhc",
+    "logprobs_stats": "logprobs",
+    "logprobs_grad": "logprobs",
     **dict.fromkeys(vocab_parallel.SCHEMAS, "vocab_parallel"),
 }
 
 losses.declare()
 mhc.declare()
 vocab_parallel.declare()
+logprobs.declare()
 # user-level ops are served through the kernel-level modules they are composed of; a backend's
 # whole-op implementation registers itself from one of its modules.
 for _op, _module in KERNEL_MODULES.items():
