@@ -1,6 +1,6 @@
 """The op table of liger-dispatch: every op family's declarations, and where each backend implements them.
 
-An op family module (cross_entropy, jsd, kl_div, mhc) holds everything that is specific to its ops, read by the
+An op family module (cross_entropy, jsd, kl_div, logprobs, mhc) holds everything that is specific to its ops, read by the
 machinery: OPS, their OpSpecs (schemas, checks, fakes, compositions, fp16 bounds, vocab-parallel layouts), and
 BACKEND_MODULES, the module of each backend package that implements each kernel-level op. Importing this module
 declares everything; backend modules are imported lazily.
@@ -9,10 +9,10 @@ declares everything; backend modules are imported lazily.
 from liger_dispatch import settings
 from liger_dispatch.core.discovery import declare_backend_devices
 from liger_dispatch.core.table import TABLE, declare_op_locations
-from liger_dispatch.registry import cross_entropy, jsd, kl_div, mhc
+from liger_dispatch.registry import cross_entropy, jsd, kl_div, logprobs, mhc
 
 BACKENDS = ("reference", "triton", "cutedsl", "helion")
-FAMILIES = (cross_entropy, jsd, kl_div, mhc)
+FAMILIES = (cross_entropy, jsd, kl_div, logprobs, mhc)
 
 for _family in FAMILIES:
     for _spec in _family.OPS:

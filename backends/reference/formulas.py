@@ -104,6 +104,78 @@ def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperatur
     return torch.where(valid, loss, 0.0)
 
 
+# ---------------------------------------------------------------- per-token log-probs and entropy
+
+
+def logprobs_rows(logits, target, *, temperature=1.0, ignore_index=-100):
+    """(logprobs, entropy) per row of logits [C, V], the spec: with z = logits / T and lp = log_softmax(z),
+    logprobs = lp[target] and entropy = -sum_j p_j lp_j. Ignored rows: 0 in both, no gradient."""
+    z = logits.to(compute_dtype(logits)) / temperature
+    valid = target != ignore_index
+    lp = torch.log_softmax(z, dim=-1)
+    logprobs = lp.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(lp.exp() * lp).sum(dim=-1)
+    return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
+
+
+def logprobs_stats(logits, target, *, vocab_start=0, temperature=1.0, ignore_index=-100):
+    """[C, 3] per row of a slice [C, Vl] of the vocabulary's columns [vocab_start, vocab_start + Vl):
+    (lse = logsumexp z, z_target = z[target - vocab_start] if the target is in this slice else 0,
+    mean = sum_j softmax(z)_j z_j under this slice's own softmax). Ignored rows: all 0; an empty slice: lse -inf."""
+    z = logits.to(compute_dtype(logits)) / temperature
+    valid = target != ignore_index
+    local = target - vocab_start
+    inside = valid & (local >= 0) & (local < z.shape[1])
+    if z.shape[1]:
+        z_target = z.gather(1, torch.where(inside, local, 0).unsqueeze(1)).squeeze(1)
+    else:
+        z_target = z.new_zeros(z.shape[0])
+    lse = torch.logsumexp(z, dim=1)  # -inf for an empty slice
+    mean = (torch.softmax(z, dim=1) * z).sum(dim=1)  # 0 for an empty slice
+    stats = torch.stack([lse, torch.where(inside, z_target, 0.0), mean], dim=1)
+    return torch.where(valid.unsqueeze(1), stats, 0.0)
+
+
+def combine_logprobs_stats(stats):
+    """The whole vocabulary's [C, 3] statistics from its slices' [R, C, 3] (see logprobs_stats): lse = logsumexp_r
+    lse_r, z_target = sum_r z_target_r, mean = sum_r exp(lse_r - lse) mean_r. An empty slice (lse_r = -inf)
+    weighs 0."""
+    lse = torch.logsumexp(stats[..., 0], dim=0)
+    weights = torch.exp(stats[..., 0] - lse)
+    mean = (weights * stats[..., 2]).sum(dim=0)
+    return torch.stack([lse, stats[..., 1].sum(dim=0), mean], dim=1)
+
+
+def logprobs_from_stats(stats, target, *, ignore_index=-100):
+    """(logprobs, entropy) per row from the whole vocabulary's statistics [C, 3]: (z_target - lse, lse - mean), 0 on
+    ignored rows (combined over R > 1 slices their zero statistics come out as (log R, 0, 0), so they are masked)."""
+    lse, z_target, mean = stats.unbind(dim=1)
+    valid = target != ignore_index
+    return torch.where(valid, z_target - lse, 0.0), torch.where(valid, lse - mean, 0.0)
+
+
+def logprobs_grad(logits, target, stats, grad_logprobs=None, grad_entropy=None, *, vocab_start=0, temperature=1.0,
+                  ignore_index=-100):
+    """The closed-form d(sum_i g_i logprobs_i + h_i entropy_i) / d logits of a slice [C, Vl] from the whole
+    vocabulary's statistics [C, 3], in the compute dtype: with p_j = exp(z_j - lse),
+        (g (1[j + vocab_start == target] - p_j) - h p_j (z_j - mean)) / T.
+    g, h: [C], None is 0. Ignored rows: 0."""
+    z = logits.to(compute_dtype(logits)) / temperature
+    stats = stats.to(z.dtype)
+    lse, mean = stats[:, :1], stats[:, 2:]
+    valid = target != ignore_index
+    p = torch.exp(z - lse)
+    grad = torch.zeros_like(z)
+    if grad_logprobs is not None:
+        g = grad_logprobs.to(z.dtype).unsqueeze(1)
+        local = target - vocab_start
+        columns = torch.arange(z.shape[1], device=z.device)
+        grad = grad + g * ((columns == local.unsqueeze(1)).to(z.dtype) - p)
+    if grad_entropy is not None:
+        grad = grad - grad_entropy.to(z.dtype).unsqueeze(1) * p * (z - mean)
+    return torch.where(valid.unsqueeze(1), grad / temperature, 0.0)
+
+
 # ---------------------------------------------------------------- user-level eager ops
 
 
