@@ -63,7 +63,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     for backend in backends:
         table.add_column(backend, overflow="fold")
     for level in ("user", "kernel"):
-        for name in TABLE.op_names(level):
+        for name in (n for n in TABLE.op_names(level) if not TABLE.spec(n).internal):
             status = backend_status(name, device, dtype)
             cells = []
             for backend in backends:
