@@ -62,7 +62,7 @@ class Capability:
     modules: importable modules it needs.
     predicate: called with the op's arguments; returns a reason string when the call is out of
         reach (a shape limit, say), None when it can serve. It must read only what a call's signature
-        holds (shapes, strides, dtypes, devices, option values: call_plans.py): a handle asks it on the
+        holds (shapes, strides, dtypes, devices, option values: core/calls.py): a handle asks it on the
         first call of a signature, and its repeated calls reuse the answer.
     """
 

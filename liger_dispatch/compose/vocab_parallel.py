@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from liger_dispatch.core import selection
+from liger_dispatch.core import calls
 from liger_dispatch.errors import InputError
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE
@@ -183,7 +183,8 @@ class _Kernels:
         fn = self._fns.get(op)
         if fn is None:
             implements = any(impl.backend == self.backend for impl in TABLE.candidates(op))
-            fn = self._fns[op] = selection.select(op, (self.backend,) if implements else (), args, kwargs).fn
+            pinned = (self.backend,) if implements else ()
+            fn = self._fns[op] = calls.kernel(TABLE.spec(op), pinned, args, kwargs)
         return fn(*args, **kwargs)
 
 

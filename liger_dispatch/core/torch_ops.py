@@ -25,7 +25,8 @@ import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch.registry import support
 from liger_dispatch.core import selection
 from liger_dispatch.compose import vocab_parallel
-from liger_dispatch.core.call_plans import Plan
+from liger_dispatch.core import calls
+from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE, OpSpec
@@ -139,22 +140,31 @@ def _checked(spec: OpSpec, fallback: Optional[Callable[[], None]], a: Args) -> N
         spec.value_check(a)
 
 
-def _selected(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    """(what serves this call, its fallback warning or None), both paths: the selected implementation (the
-    vocab-parallel driver on it for a call with a process_group), after the op's value checks."""
+def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
+    """Selection for a call: what serves it (the vocab-parallel driver on the selected implementation for a call
+    with a process_group) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
-    _checked(spec, fallback, a)
-    return (impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)), fallback
+    fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
+    return Plan(fn, fallback, impl.backend)
 
 
-def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    return _selected(spec, pinned, a, args, kwargs)[0]
+def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Callable:
+    """What serves a torch op's call: the plan of its signature, after its fallback warning and value checks."""
+    call_key = calls.key(spec, pinned, args, kwargs)
+    plan = calls.get(call_key)
+    if plan is None:
+        plan = _plan(spec, pinned, a, args, kwargs)
+        calls.remember(call_key, plan, getattr(a, "process_group", None))
+    _checked(spec, plan.fallback, a)
+    return plan.fn
 
 
 def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
     """The eager path's first half: select and check values; what calls of this one's signature run."""
-    fn, fallback = _selected(spec, pinned, a, args, kwargs)
-    return Plan(_launcher(spec, fn, a), fallback)
+    made = _plan(spec, pinned, a, args, kwargs)
+    _checked(spec, made.fallback, a)
+    made.launch = _launcher(spec, made.fn, a)
+    return made
 
 
 def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
