@@ -87,12 +87,12 @@ def _counted_toy(table, name):
 
     def check(a):
         checked.append(a)
-        if not a.scale > 0:
+        if isinstance(a.scale, (int, float)) and not a.scale > 0:
             raise InputError(f"scale must be > 0, got {a.scale}")
 
     table.declare_op(OpSpec(f"{name}(Tensor x, *, float scale=1.0) -> Tensor", "kernel", check,
                             fake=lambda a: torch.empty_like(a.x)))
-    ld.register_backend(name, backend="reference")(lambda x, *, scale=1.0: x * scale)
+    ld.register_backend(name, backend="reference")(lambda x, *, scale=1.0: x.clone())
     return dispatch.op(name), checked
 
 
@@ -119,8 +119,7 @@ def test_a_passing_signature_is_checked_once_a_failing_one_every_time(isolated_t
 def test_unhashable_options_are_checked_every_time(isolated_table):
     run, checked = _counted_toy(isolated_table, "toy_unhashable")
     for _ in range(2):
-        with pytest.raises(InputError):
-            run(torch.randn(2), scale=[1.0])
+        run(torch.randn(2), scale=[1.0])
     assert len(checked) == 2
 
 
