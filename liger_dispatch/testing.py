@@ -653,10 +653,10 @@ def run(args, device: str) -> int:
                   file=sys.stderr)
             return 2
     console = Console()
+    if not console.is_terminal:  # a log: room for the case names
+        console = Console(width=120)
     try:
-        result = verify(args.backend, device=device, ops=args.ops, checks=args.checks,
-                        progress=lambda row: console.print(f"  {row.id}: {row.status}", style="dim",
-                                                           highlight=False) if row.status == "failed" else None)
+        result = verify(args.backend, device=device, ops=args.ops, checks=args.checks)
     except (ValueError, LigerDispatchError) as exc:
         print(f"liger_dispatch verify: error: {exc}", file=sys.stderr)
         return 2
