@@ -1,8 +1,6 @@
 """liger_dispatch.testing and `python -m liger_dispatch verify`: CONTRIBUTING.md's example backend passes the
 conformance suite, a deliberately wrong one fails it naming the case, an unknown backend is a clear error."""
 
-from pathlib import Path
-
 import pytest
 
 from liger_dispatch import testing
