@@ -102,6 +102,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
     demos.add_arguments(demo)
     tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
+    from liger_dispatch import testing
+
+    testing.add_arguments(sub.add_parser("verify", parents=[where],
+                                         help="run the conformance suite on one backend (yours: --import it)"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
     problem = device_problem(device)
@@ -115,6 +119,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return demos.run(args, device, dtype)
         if args.command == "tune":
             return tune.run(args, device, dtype)
+        if args.command == "verify":
+            return testing.run(args, device)
         matrix(device, dtype)
     except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
         print(f"{PROG}: error: {exc}", file=sys.stderr)
