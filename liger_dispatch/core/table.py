@@ -226,8 +226,10 @@ class OpTable:
         try:
             importlib.import_module(module)
             error = None
-        except Exception as exc:  # any failure of a backend module must not break the others
-            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # any failure of a backend module (SystemExit too) must not break the others
+            error = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
         with self._lock:
             self._module_errors.setdefault(module, error)
 

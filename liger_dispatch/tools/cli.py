@@ -46,6 +46,29 @@ def _short(reason: str, width: int = 110) -> str:
     return reason if len(reason) <= width else reason[: width - 1] + "…"
 
 
+def summary(op: str, device: str, dtype: torch.dtype) -> str:
+    """Which backend serves `op` here under the backend preference in force (LIGER_BACKEND, LIGER_BACKEND_<OP>),
+    or why it falls back; an unknown backend name raises UnknownBackendError, as a call would."""
+    from liger_dispatch.core import selection
+    from liger_dispatch.dispatch import available_backends
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return f"{op}: nothing serves (no CUDA device on this machine)"
+    usable = available_backends(op, device=device, dtype=dtype)
+    choice = selection.resolve(op, (), device=torch.device(device), dtypes=(dtype,))
+    res, chosen = choice.resolution, choice.impl
+    served = chosen.backend if chosen is not None else "nothing"
+    if not res.requested:
+        return f"{op}: auto picks [bold]{served}[/bold] (usable, best first: {', '.join(usable) or 'none'})"
+    asked = f"{res.source} = {', '.join(res.requested)}"
+    if not choice.is_fallback:
+        return f"{op}: {asked}: [bold]{served}[/bold] serves"
+    why = "; ".join(f"{r.backend}: {r.reason}" for r in choice.rejected if r.backend in res.requested)
+    if settings.STRICT.get():
+        return f"{op}: {asked}: [red]calls raise[/red] ({settings.STRICT.name} is set; {why})"
+    return f"{op}: {asked}: falls back to [bold]{served}[/bold] ({why})"
+
+
 def matrix(device: str, dtype: torch.dtype) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -77,9 +100,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
             table.add_row(f"{label}\n[dim]{TABLE.spec(name).summary}[/dim]", *cells)
     console.print(table)
     for name in TABLE.op_names("user"):
-        usable = ld.available_backends(name, device=device, dtype=dtype)
-        console.print(f"{name}: auto picks [bold]{usable[0] if usable else 'nothing'}[/bold]"
-                      f" (usable, best first: {', '.join(usable) or 'none'})")
+        console.print(summary(name, device, dtype), highlight=False)
         console.print(f"[dim]  {name}{TABLE.spec(name).schema.describe()}[/dim]", highlight=False)
     failures = {m: TABLE.module_error(m) for op in TABLE.op_names() for m in TABLE.locations(op).values()}
     for module, error in sorted((m, e) for m, e in failures.items() if e):
