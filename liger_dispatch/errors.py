@@ -45,6 +45,10 @@ class BackendError(LigerDispatchError):
     what differs)."""
 
 
+class DoubleBackwardError(LigerDispatchError):
+    """A double backward (create_graph=True) through an op whose gradient is computed in the forward pass."""
+
+
 class SignatureError(LigerDispatchError, TypeError):
     """A registered implementation's signature does not match its op's schema."""
 

@@ -148,3 +148,44 @@ def test_concurrent_first_calls_in_a_fresh_process_raise_nothing():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERRORS 0 []" in out.stdout, out.stdout
     assert "CHOSEN ['reference']" in out.stdout, out.stdout
+
+
+DOUBLE_BACKWARD = [("flce", "flce_args", {}), ("flce", "flce_args", {"reduction": "none"}),
+                   ("fused_linear_jsd", "jsd_args", {}), ("fused_linear_kl_div", "kl_args", {}),
+                   ("mhc_coeffs", "mhc_args", {})]
+
+
+def _first_input_and_loss(op, make, kwargs, compiled):
+    import test_checks
+
+    args = getattr(test_checks, make)()
+    first = next(iter(args))
+    args[first] = args[first].requires_grad_()
+    handle = dispatch.op(op, backend="reference")
+    fn = torch.compile(handle, fullgraph=True, backend="aot_eager") if compiled else handle
+    torch._dynamo.reset()
+    out = fn(*args.values(), **kwargs)
+    outputs = out if isinstance(out, tuple) else (out,)
+    return args[first], sum(o.float().sum() for o in outputs)
+
+
+@pytest.mark.parametrize("op,make,kwargs", DOUBLE_BACKWARD, ids=[f"{o}{'-' + ''.join(k) if k else ''}"
+                                                                 for o, _, k in DOUBLE_BACKWARD])
+def test_a_double_backward_is_an_error_naming_the_op_in_eager_code(op, make, kwargs):
+    x, loss = _first_input_and_loss(op, make, kwargs, compiled=False)
+    with pytest.raises(ld.errors.DoubleBackwardError, match=f"{op} computes its gradient in the forward pass"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    x, loss = _first_input_and_loss(op, make, kwargs, compiled=False)
+    (grad,) = torch.autograd.grad(loss, x)  # once is fine
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("op,make,kwargs", DOUBLE_BACKWARD, ids=[f"{o}{'-' + ''.join(k) if k else ''}"
+                                                                 for o, _, k in DOUBLE_BACKWARD])
+def test_a_double_backward_is_an_error_in_compiled_code(op, make, kwargs):
+    """Compiled, the backward is AOTAutograd's: as with torch's once_differentiable, the gradient made with
+    create_graph=True raises when it is differentiated (torch's message: the compiled graph no longer names the op)."""
+    x, loss = _first_input_and_loss(op, make, kwargs, compiled=True)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        grad.square().sum().backward()

@@ -30,6 +30,7 @@ from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE, OpSpec
+from liger_dispatch.errors import DoubleBackwardError
 
 NAMESPACE = "liger_dispatch"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -52,47 +53,60 @@ def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
 
 
 # -- eager ----------------------------------------------------------------------------------------------------------
+def once_differentiable(op: str) -> None:
+    """In a backward: a double backward (create_graph=True) is an error naming the op, not a gradient that silently
+    does not depend on the inputs (the backward runs with grad mode on exactly then)."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise DoubleBackwardError(f"liger_dispatch: {op} computes its gradient in the forward pass (or with a kernel "
+                                  "of its own), so it cannot be differentiated twice (create_graph=True); compute a "
+                                  "gradient penalty with another op")
+
+
 class _GradsInForward(torch.autograd.Function):
     """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""
 
     @staticmethod
-    def forward(ctx, run, *tensors):
+    def forward(ctx, op, run, *tensors):
         loss, *grads = run()
         ctx.save_for_backward(*grads)
+        ctx.op = op
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return None, *_scaled(ctx, grad_loss)
+        once_differentiable(ctx.op)
+        return None, None, *_scaled(ctx, grad_loss)
 
 
 class _RowLosses(torch.autograd.Function):
     """Per-row losses; the backward recomputes the gradient of sum_i grad_i * loss_i."""
 
     @staticmethod
-    def forward(ctx, run, backward, *tensors):
-        ctx.run_backward = backward
+    def forward(ctx, op, run, backward, *tensors):
+        ctx.run_backward, ctx.op = backward, op
         return run()
 
     @staticmethod
     def backward(ctx, grad_rows):
-        return None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[2:])
+        once_differentiable(ctx.op)
+        return None, None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[3:])
 
 
 class _WithBackward(torch.autograd.Function):
     """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
 
     @staticmethod
-    def forward(ctx, fn, options, outputs, *tensors):
+    def forward(ctx, op, fn, options, outputs, *tensors):
         results = fn(*tensors, **options)
         ctx.save_for_backward(*tensors, *results[outputs:])
-        ctx.fn, ctx.options = fn, options
+        ctx.fn, ctx.options, ctx.op = fn, options, op
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return tuple(results[:outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
+        once_differentiable(ctx.op)
+        return None, None, None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
 
 
 def _scaled(ctx, grad_loss: torch.Tensor) -> list:
@@ -190,10 +204,10 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
                 summed = {**kwargs, "reduction": "sum"}
                 return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
 
-            return _apply(_RowLosses, (lambda: fn(*args, **kwargs)[0], backward), tensors(a))
+            return _apply(_RowLosses, (spec.name, lambda: fn(*args, **kwargs)[0], backward), tensors(a))
 
         return launch_rows
-    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need),),
+    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need)),
                                           tensors(a))
 
 
@@ -209,7 +223,9 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     def launch(a, args, kwargs):
         tensors = positional(a)
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
-        return _apply(_WithBackward, (fn, options, outputs), tensors) if grads else fn(*tensors, **options)[:outputs]
+        if not grads:
+            return fn(*tensors, **options)[:outputs]
+        return _apply(_WithBackward, (spec.name, fn, options, outputs), tensors)
 
     return launch
 
@@ -313,6 +329,7 @@ def _define_loss(spec: OpSpec) -> None:
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grad_loss, *_):
+        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
         # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
         passed = len(ctx.needs_input_grad)
         need = [i < passed and ctx.needs_input_grad[i] for i in where]
@@ -386,6 +403,7 @@ def _define_with_backward(spec: OpSpec) -> None:
         ctx.set_materialize_grads(False)
 
     def backward(ctx, *grad_outputs):
+        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
         grads = getattr(torch.ops.liger_dispatch, backward_name)(*ctx.saved_tensors, *grad_outputs[:outputs],
                                                                  **ctx.keywords)
         result = [None] * len(positional)
