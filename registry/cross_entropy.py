@@ -116,7 +116,7 @@ def probe_flce(a):
 
 def fake_flce(a):
     shape = tuple(a.target.shape) if a.reduction == "none" else ()
-    return a.input.new_empty(shape, dtype=torch.float32)
+    return a.input.new_empty(shape, dtype=heads.loss_dtype(a.input))
 
 
 # ---------------------------------------------------------------- the composition

@@ -92,13 +92,17 @@ def rows_spec(value):
     return None if value is None else TensorSpec((value.numel(),), value.dtype)
 
 
+def loss_dtype(t) -> torch.dtype:
+    """What a loss computed from t comes out in: fp32, float64 for float64 t (as the reference computes)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def fake_rows(a, *columns: int):
-    """A kernel-level op's per-row output [C, *columns], fp32 (float64 for float64 logits, as the reference
-    computes): the per-row loss, or a pass's per-row statistics."""
+    """A kernel-level op's per-row output [C, *columns] in loss_dtype: the per-row loss, or a pass's per-row
+    statistics."""
     chunk = getattr(a, "logits", None)
     chunk = a.student_logits if chunk is None else chunk
-    dtype = torch.float64 if chunk.dtype == torch.float64 else torch.float32
-    return chunk.new_empty(chunk.shape[0], *columns, dtype=dtype)
+    return chunk.new_empty(chunk.shape[0], *columns, dtype=loss_dtype(chunk))
 
 
 def fake_stats(columns):
@@ -112,4 +116,4 @@ def fake_in_place(a):
 
 
 def fake_scalar_loss(a):
-    return a.student_input.new_empty((), dtype=torch.float32)
+    return a.student_input.new_empty((), dtype=loss_dtype(a.student_input))

@@ -189,3 +189,44 @@ def test_a_double_backward_is_an_error_in_compiled_code(op, make, kwargs):
     (grad,) = torch.autograd.grad(loss, x, create_graph=True)
     with pytest.raises(RuntimeError, match="does not currently support double backward"):
         grad.square().sum().backward()
+
+
+def _ce_returning(wrong):
+    """The reference's ce_loss_and_grad with its per-row loss replaced by `wrong(loss)`."""
+    from liger_dispatch.backends.reference.ce import ce_loss_and_grad
+
+    def kernel(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+               lse_square_scale=0.0):
+        return wrong(ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
+                                      label_smoothing=label_smoothing, softcap=softcap,
+                                      lse_square_scale=lse_square_scale))
+
+    return kernel
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (lambda loss: None, "returned NoneType where the op returns a float32 tensor of shape \\[6\\]"),
+    (lambda loss: torch.cat([loss, loss[:1]]), "returned a float32 tensor of shape \\[7\\] on cpu where the op "
+                                               "returns a float32 tensor of shape \\[6\\]"),
+    (lambda loss: loss.view(2, 3), "returned a float32 tensor of shape \\[2, 3\\] on cpu where"),
+    (lambda loss: loss.double(), "returned a float64 tensor"),
+], ids=["None", "one row too many", "wrong shape", "wrong dtype"])
+def test_what_a_backend_returns_is_checked_against_the_fake(isolated_table, wrong, message):
+    ld.register_backend("ce_loss_and_grad", backend="wrong", priority=1, capability=CPU)(_ce_returning(wrong))
+    x, w, y = torch.randn(6, 8), torch.randn(32, 8, requires_grad=True), torch.randint(0, 32, (6,))
+    for handle in (dispatch.op("flce", backend="wrong"), dispatch.op("ce_loss_and_grad", backend="wrong")):
+        args = (x, w, y) if handle.name == "flce" else (x @ w.detach().t(), y)
+        with pytest.raises(ld.BackendError, match=f"wrong's implementation of ce_loss_and_grad {message}"):
+            handle(*args)
+
+
+def test_a_whole_op_implementation_returning_one_gradient_too_few_is_named(isolated_table):
+    def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
+             row_weights=None):
+        return torch.zeros((), dtype=torch.float32), None, None  # the bias gradient is missing
+
+    ld.register_backend("flce", backend="whole", priority=1, capability=CPU)(flce)
+    x, w, y = torch.randn(6, 8), torch.randn(32, 8), torch.randint(0, 32, (6,))
+    with pytest.raises(ld.BackendError, match="whole's implementation of flce returned 3 outputs, the op returns 4"):
+        dispatch.op("flce", backend="whole")(x, w, y)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
+from liger_dispatch.core import results
 from liger_dispatch.errors import RegistrationError, UnknownOpError
 from liger_dispatch.core.schema import Args, OpSchema
 
@@ -285,10 +286,25 @@ class OpTable:
                     raise ValueError(f"backend {backend!r} registers {part.op} and {first.op} with different "
                                      f"capabilities or priorities; a composed {spec.name} needs them equal")
             capability = replace(first.capability, predicate=_probed(first.capability.predicate, spec))
-            impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
+            checked = [_checked_part(self.spec(p.op), p) for p in parts]
+            impl = Impl(spec.name, backend, spec.compose(*checked), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl
+
+
+def _checked_part(spec: OpSpec, part: Impl) -> Callable:
+    """A kernel-level implementation as a composition calls it: its results checked against the op's fake while a
+    plan's first call runs (results.py)."""
+    fn = part.fn
+
+    def kernel(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if results.active() and spec.fake is not None:
+            results.check(spec.name, part.backend, spec.fake(spec.schema.bind(args, kwargs)), out)
+        return out
+
+    return kernel
 
 
 def _probed(predicate: Optional[Callable], spec: OpSpec) -> Optional[Callable]:

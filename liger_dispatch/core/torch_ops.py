@@ -25,7 +25,7 @@ import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch.registry import support
 from liger_dispatch.core import selection
 from liger_dispatch.compose import vocab_parallel
-from liger_dispatch.core import calls
+from liger_dispatch.core import calls, results
 from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
@@ -162,22 +162,63 @@ def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: d
     return Plan(fn, fallback, impl.backend)
 
 
+def _expected(spec: OpSpec, args: tuple, kwargs: dict):
+    """What an implementation of spec returns for this call: the fake's outputs, and for a loss whose gradients are
+    computed in the forward pass one gradient per differentiable input (None where not asked for)."""
+    own = {k: v for k, v in kwargs.items() if k not in spec.extra.names}
+    a = spec.schema.bind(args, own)
+    outputs = spec.fake(a)
+    if spec.level == "kernel" or not _grads_in_forward(spec):
+        return outputs
+    need = wanted_grads(kwargs.get("need_grads", ()), len(spec.differentiable))
+    inputs = [getattr(a, n) for n in spec.differentiable]
+    return (outputs, *(results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
+                       for w, t in zip(need, inputs)))
+
+
+def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
+    """fn, its results (and those of the kernel-level ops a composition calls) checked against the op's fake: what a
+    plan's first call runs."""
+
+    def first_call(*args, **kwargs):
+        with results.checking():
+            out = fn(*args, **kwargs)
+        if spec.fake is not None and kwargs.get("row_weights") is None:  # a loss per row's backward: gradients only
+            results.check(spec.name, backend, _expected(spec, args, kwargs), out)
+        return out
+
+    if hasattr(fn, "backward"):  # an op with a backward of its own
+        first_call.backward = fn.backward
+    return first_call
+
+
 def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Callable:
-    """What serves a torch op's call: the plan of its signature, after its fallback warning and value checks."""
+    """What serves a torch op's call: the plan of its signature, after its fallback warning and value checks (its
+    results checked on the signature's first call)."""
     call_key = calls.key(spec, pinned, args, kwargs)
     plan = calls.get(call_key)
     if plan is None:
         plan = _plan(spec, pinned, a, args, kwargs)
         calls.remember(call_key, plan, getattr(a, "process_group", None))
+        _checked(spec, plan.fallback, a)
+        return _checking(spec, plan.backend, plan.fn)
     _checked(spec, plan.fallback, a)
     return plan.fn
 
 
 def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
-    """The eager path's first half: select and check values; what calls of this one's signature run."""
+    """The eager path's first half: select and check values; what calls of this one's signature run (the first
+    one with its results checked)."""
     made = _plan(spec, pinned, a, args, kwargs)
     _checked(spec, made.fallback, a)
-    made.launch = _launcher(spec, made.fn, a)
+    launch = _launcher(spec, made.fn, a)
+    first = _launcher(spec, _checking(spec, made.backend, made.fn), a)
+
+    def first_launch(a, args, kwargs):
+        made.launch = launch
+        return first(a, args, kwargs)
+
+    made.launch = first_launch
     return made
 
 
