@@ -24,7 +24,7 @@ DTYPES = (torch.float32, *LOW_PRECISION) if ON_GPU else (torch.float32,)
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model); JSD and KL
 # gradients amplify that rounding
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
+USER_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_logprobs", "mhc_coeffs")
 
 
 def cases(ops=USER_OPS, dtypes=DTYPES):
@@ -54,9 +54,11 @@ def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
     return t.detach().clone().requires_grad_(grad)
 
 
-def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7):
+def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None, row_upstream=1.0):
     """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same
-    upstream gradient through both, and compares outputs and the gradients of `grad_names`."""
+    upstream gradient through both, and compares outputs and the gradients of `grad_names`. used: the outputs
+    backpropagated through (default all; the others' gradients are absent); row_upstream: the scale of the random
+    upstream gradient of a per-row output."""
     mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     oracle = torch.float64  # the truth from the same (already rounded) inputs
     theirs = {k: leaf(v.to(oracle) if v.is_floating_point() else v, k in grad_names)
@@ -67,7 +69,10 @@ def run_and_compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7
     total_got, total_want = 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
         assert_close(f"{op} output {i}", g.float(), w.float(), dtype)
-        weights = torch.randn(w.shape, device=w.device, dtype=torch.float32) if w.dim() else torch.tensor(upstream)
+        if used is not None and i not in used:
+            continue
+        weights = (torch.randn(w.shape, device=w.device, dtype=torch.float32) * row_upstream if w.dim()
+                   else torch.tensor(upstream))
         total_got = total_got + (g.float() * weights.to(g.device)).sum()
         total_want = total_want + (w.float() * weights.to(w.device)).sum()
     total_got.backward()
@@ -165,6 +170,62 @@ def test_fused_linear_kl_div(op, backend, dtype, reduction, log_target, zeros, t
                     ("student_input", "student_weight"))
 
 
+LOGPROBS_CASES = {  # (kwargs, ignored rows, with bias, outputs backpropagated through)
+    "T0.7-both": (dict(temperature=0.7), (1, 4), False, None),
+    "T1-bias": ({}, (0,), True, None),
+    "T2-no-entropy-grad": (dict(temperature=2.0), (2,), True, (0,)),
+    "entropy-grad-only": (dict(temperature=1.3), (), False, (1,)),
+    "all-ignored": ({}, tuple(range(N)), True, None),
+}
+
+
+def logprobs_inputs(n, dtype, ignored=(), bias=False, shape=None):
+    x = randn(n, H, dtype=dtype)
+    target = labels(n, V, ignored=ignored)
+    if shape is not None:  # [..., H] input, non-contiguous
+        x, target = non_contiguous(x.view(*shape, H)), target.view(shape)
+    inputs = dict(input=x, weight=randn(V, H, dtype=dtype, scale=2 * H ** -0.5), target=target)
+    if bias:
+        inputs["bias"] = randn(V, dtype=dtype)
+    return inputs
+
+
+@pytest.mark.parametrize("case", list(LOGPROBS_CASES))
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_logprobs",)))
+def test_fused_linear_logprobs(op, backend, dtype, case):
+    """Random upstream gradients on logprobs and entropy (or on one of them only: the other's is None)."""
+    kwargs, ignored, bias, used = LOGPROBS_CASES[case]
+    inputs = logprobs_inputs(N, dtype, ignored, bias)
+    run_and_compare(op, backend, dtype, inputs, kwargs, ("input", "weight", "bias") if bias else ("input", "weight"),
+                    used=used)
+
+
+@pytest.mark.parametrize("rows", ["3", "64"])
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_logprobs",)))
+def test_fused_linear_logprobs_3d_noncontiguous_chunked(op, backend, dtype, rows, monkeypatch):
+    """[2, 4, H] non-contiguous input with a bias; 3 rows a chunk: the first chunk's logits are kept from the
+    forward, the other two recomputed in the backward (64: all kept)."""
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", rows)
+    inputs = logprobs_inputs(8, dtype, ignored=(0, 5), bias=True, shape=(2, 4))
+    run_and_compare(op, backend, dtype, inputs, dict(temperature=0.8), ("input", "weight", "bias"))
+
+
+@pytest.mark.parametrize("case", ["tiny-upstream", "cold-large-upstream"])
+@pytest.mark.parametrize("op,backend,dtype", cases(("fused_linear_logprobs",), (torch.float16,)))
+def test_fused_linear_logprobs_fp16_gradient_range(op, backend, dtype, case):
+    """fp16 gradient buffers: upstream gradients ~1e-5 (a GRPO mean over many tokens) over a wide vocabulary put
+    every per-logit gradient below fp16's smallest normal; a cold temperature, large logits and upstream ~300 push
+    them past fp16's range. The backward scales g and h by the row bound (registry/logprobs.py:grad_bound) and dX,
+    dW, db back: the float64 numbers either way."""
+    if case == "tiny-upstream":
+        n, vocab, scale, kwargs, upstream = 64, 1031, 1.0, {}, 1e-5
+    else:
+        n, vocab, scale, kwargs, upstream = N, V, 6.0, dict(temperature=0.25), 300.0
+    inputs = dict(input=randn(n, H, dtype=dtype), weight=randn(vocab, H, dtype=dtype, scale=scale * H ** -0.5),
+                  target=labels(n, vocab, ignored=(1,)), bias=randn(vocab, dtype=dtype))
+    run_and_compare(op, backend, dtype, inputs, kwargs, ("input", "weight", "bias"), row_upstream=upstream)
+
+
 MHC_SHAPES = ((4, 512, 4, 1024), (2048, 4, 256)) if ON_GPU else ((2, 3, 4, 8), (5, 2, 8))
 MHC_CASES = [(shape, tmax) for shape in MHC_SHAPES for tmax in (1, 3, 20)] if ON_GPU else [
     (MHC_SHAPES[0], 3), (MHC_SHAPES[1], 1), (MHC_SHAPES[1], 20)]
@@ -234,6 +295,9 @@ def test_low_precision_smoke(op, backend, dtype):
         inputs = dict(student_input=randn(N, H, dtype=dtype), student_weight=randn(V, H, dtype=dtype, scale=H ** -0.5),
                       target=kl_target(N, V, dtype, False, True))
         run_and_compare(op, backend, dtype, inputs, {}, ("student_input", "student_weight"))
+    elif op == "fused_linear_logprobs":
+        run_and_compare(op, backend, dtype, logprobs_inputs(N, dtype, (1,), True), dict(temperature=0.7),
+                        ("input", "weight", "bias"))
     else:
         test_mhc_coeffs(op, backend, dtype, MHC_SHAPES[0], 3)
 
@@ -262,6 +326,7 @@ EMPTY_CASES = {
     "fused_linear_jsd": [dict(jsd_beta=0.5), dict(jsd_beta=0.0, with_labels=True)],
     "fused_linear_kl_div": [dict(reduction="batchmean"), dict(reduction="mean", with_labels=True),
                             dict(reduction="sum", log_target=True)],
+    "fused_linear_logprobs": [{}],
     "mhc_coeffs": [{}],
 }
 
@@ -270,7 +335,7 @@ def empty_batch(op, dtype, with_labels=False, **kwargs):
     """(inputs with zero rows, the differentiable ones requiring grad; the op's keywords)."""
     x, w = randn(0, H, dtype=dtype), randn(V, H, dtype=dtype)
     rows = labels(0, V) if with_labels else None
-    if op == "flce":
+    if op in ("flce", "fused_linear_logprobs"):
         inputs = dict(input=x, weight=w, target=labels(0, V), bias=randn(V, dtype=dtype))
     elif op == "fused_linear_jsd":
         inputs = dict(student_input=x, student_weight=w, teacher_input=randn(0, H, dtype=dtype),
@@ -295,7 +360,7 @@ def test_empty_batch(op, backend, dtype):
         out = dispatch.op(op, backend=backend)(*inputs.values(), **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         for o in outs:
-            if kwargs.get("reduction") == "none" or op == "mhc_coeffs":
+            if kwargs.get("reduction") == "none" or op in ("mhc_coeffs", "fused_linear_logprobs"):
                 assert o.shape[0] == 0, f"{op} {options}: output shape {tuple(o.shape)}"
             else:
                 assert o.shape == () and o.item() == 0.0, f"{op} {options}: loss {o}"
@@ -328,8 +393,8 @@ def test_fp16_gradients_of_the_loss_beyond_fp16_are_scaled_first(op, backend, dt
     with log-probabilities down to ~-500): d loss / dW passes fp16's 65504 while the gradient after the upstream
     0.25 does not. It must come back finite and right, as plain autograd gives it (the upstream scales before the
     GEMM): the forward may not round the gradient of the loss itself to fp16."""
-    if op == "mhc_coeffs":
-        pytest.skip("mhc_coeffs computes its gradients in the backward, already scaled")
+    if op in ("mhc_coeffs", "fused_linear_logprobs"):
+        pytest.skip(f"{op} computes its gradients in the backward, already scaled")
     rows, hidden, vocab = 8, 16, 131
     x = torch.rand(rows, hidden, device=DEVICE).add_(0.5).mul_(8000.0).to(dtype)
     w = randn(vocab, hidden, dtype=dtype, scale=1e-4)
