@@ -122,7 +122,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
-    db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if want_db else None
+    db = torch.zeros(vocab, dtype=grad_bounds.wide(x), device=x.device) if want_db else None
     losses = []
     bounds = [(0, done)] if done else []
     for start, end in bounds + [(start, min(start + rows, n)) for start in range(done, n, rows)]:
@@ -140,7 +140,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
-            db += logits.sum(0, dtype=torch.float32)
+            db += logits.sum(0, dtype=db.dtype)
     if len(losses) == 1:
         loss_rows = losses[0]
     else:  # several chunks, or none (an empty batch)

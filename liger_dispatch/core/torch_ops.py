@@ -82,19 +82,24 @@ class _WithBackward(torch.autograd.Function):
     """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
 
     @staticmethod
-    def forward(ctx, fn, options, outputs, where, *tensors):
+    def forward(ctx, fn, options, outputs, where, once, *tensors):
         results = fn(*tensors, **options)
         ctx.save_for_backward(*tensors, *results[outputs:])
-        ctx.fn, ctx.options, ctx.where = fn, options, where
+        ctx.fn, ctx.options, ctx.where, ctx.once = fn, options, where, once
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return tuple(results[:outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        result = [None] * (len(ctx.needs_input_grad) - 4)  # one per input tensor
+        if ctx.once:  # its backward overwrites what it saved (OpSpec.saved "Tensor(a!)")
+            if getattr(ctx, "done", False):
+                raise RuntimeError(f"liger_dispatch: {ctx.once}'s backward overwrites what its forward kept, so it "
+                                   "cannot be backpropagated twice (retain_graph=True); call the op again instead")
+            ctx.done = True
+        result = [None] * (len(ctx.needs_input_grad) - 5)  # one per input tensor
         for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)):
             result[i] = g
-        return None, None, None, None, *result
+        return None, None, None, None, None, *result
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -175,6 +180,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = _returns(spec.schema_text)
     where = _differentiable_places(spec)
+    once = spec.name if "(a!)" in spec.saved else None
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -182,7 +188,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     def launch(a, args, kwargs):
         tensors = positional(a)
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
-        return (_apply(_WithBackward, (fn, options, outputs, where), tensors) if grads
+        return (_apply(_WithBackward, (fn, options, outputs, where, once), tensors) if grads
                 else fn(*tensors, **options)[:outputs])
 
     return launch
