@@ -106,10 +106,12 @@ def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
     return t.detach().clone().requires_grad_(grad)
 
 
-def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7) -> list[Measurement]:
+def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None,
+            row_upstream=1.0) -> list[Measurement]:
     """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same upstream
-    gradient through both (random weights on each output element, `upstream` on a scalar), and measures outputs
-    and the gradients of `grad_names` against the float64 truth."""
+    gradient through both (random weights times `row_upstream` on each element of a per-row output, `upstream` on
+    a scalar) and measures outputs and the gradients of `grad_names` against the float64 truth. used: the outputs
+    backpropagated through (default all: the others' gradients are absent)."""
     tol = TOLERANCE[dtype]
     mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     oracle = torch.float64  # the truth from the same (already rounded) inputs
@@ -121,7 +123,10 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7) -> lis
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
         results.append(measure(f"output {i}", g.float(), w.float(), tol))
-        weights = torch.randn(w.shape, device=w.device, dtype=torch.float32) if w.dim() else torch.tensor(upstream)
+        if used is not None and i not in used:
+            continue
+        weights = (torch.randn(w.shape, device=w.device, dtype=torch.float32) * row_upstream if w.dim()
+                   else torch.tensor(upstream))
         total_got = total_got + (g.float() * weights.to(g.device)).sum()
         total_want = total_want + (w.float() * weights.to(w.device)).sum()
     if not all(m.ok for m in results):
@@ -238,6 +243,8 @@ class Case:
     dtypes: Optional[tuple] = None
     extra_dtypes: tuple = ()
     sample: bool = False  # the op's smallest call: the opcheck, compile and CUDA-graph checks use it
+    used: Optional[tuple] = None  # the outputs backpropagated through (None: all)
+    row_upstream: float = 1.0  # the scale of the random upstream gradient of a per-row output
 
     def dtypes_on(self, device) -> tuple:
         if self.dtypes is not None:
@@ -270,7 +277,7 @@ def run_case(op, backend, dtype, case: Case, device) -> list[Measurement]:
         inputs, options = case.build(inputs_for(device, dtype))
         if case.kind == "empty":
             return empty_result(op, backend, inputs, options)
-        return compare(op, backend, dtype, inputs, options, case.grads, case.upstream)
+        return compare(op, backend, dtype, inputs, options, case.grads, case.upstream, case.used, case.row_upstream)
 
 
 def check_case(op, backend, dtype, case: str, device) -> None:
@@ -740,7 +747,7 @@ def _empty(op, with_labels=False, **options):
     def build(m: Inputs):
         x, w = m.randn(0, m.H), m.randn(m.V, m.H)
         rows = m.labels(0) if with_labels else None
-        if op == "flce":
+        if op in ("flce", "fused_linear_logprobs"):
             inputs = dict(input=x, weight=w, target=m.labels(0), bias=m.randn(m.V))
         elif op == "fused_linear_jsd":
             inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(0, m.H),
@@ -809,6 +816,23 @@ HEAD = ("input", "weight")
 STUDENT = ("student_input", "student_weight")
 MHC_GRADS = ("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res")
 
+def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, **options):
+    def build(m: Inputs):
+        n = 8 if shape is not None else m.N
+        v = m.V if vocab is None else vocab
+        x = m.randn(n, m.H)
+        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored)
+        if shape is not None:  # [..., H] input, non-contiguous
+            x, target = non_contiguous(x.view(*shape, m.H)), target.view(shape)
+        inputs = dict(input=x, weight=m.weight(vocab=v, scale=scale), target=target)
+        if bias:
+            inputs["bias"] = m.randn(v)
+        return inputs, options
+    return build
+
+
+LOGPROBS_BIAS = (*HEAD, "bias")
+
 CASES: dict[str, list[Case]] = {
     "flce": [
         *(Case(name, _flce(**options), HEAD, smoke=name == "smoothing", sample=name == "everything")
@@ -824,6 +848,19 @@ CASES: dict[str, list[Case]] = {
         Case("fp16-zloss-none", _fp16_overflow("flce", 8.0, lse_square_scale=0.5, reduction="none"), HEAD,
              dtypes=FP16),
         Case("fp16-grad-beyond-fp16", _fp16_beyond("flce"), HEAD, upstream=0.25, dtypes=FP16),
+    ],
+    "fused_linear_logprobs": [
+        Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),
+        Case("T1-bias", _logprobs(ignored=(0,), bias=True), LOGPROBS_BIAS),
+        Case("T2-no-entropy-grad", _logprobs(ignored=(2,), bias=True, temperature=2.0), LOGPROBS_BIAS, used=(0,)),
+        Case("entropy-grad-only", _logprobs(temperature=1.3), HEAD, used=(1,)),
+        Case("all-ignored", _logprobs(bias=True, all_ignored=True), LOGPROBS_BIAS),
+        Case("3d-noncontiguous", _logprobs(ignored=(0, 5), bias=True, shape=(2, 4), temperature=0.8), LOGPROBS_BIAS),
+        Case("fp16-tiny-upstream", _logprobs(ignored=(1,), bias=True, vocab=1031, scale=1.0), LOGPROBS_BIAS,
+             row_upstream=1e-5, dtypes=FP16),
+        Case("fp16-cold-large-upstream", _logprobs(ignored=(1,), bias=True, scale=6.0, temperature=0.25),
+             LOGPROBS_BIAS, row_upstream=300.0, dtypes=FP16),
+        Case("empty", _empty("fused_linear_logprobs"), kind="empty", extra_dtypes=FP16),
     ],
     "fused_linear_jsd": [
         *(Case(f"beta{beta}-T{t}" + ("-t2" if t2 else ""), _jsd(beta, t, t2), STUDENT,

@@ -36,6 +36,20 @@ def accum_dtype(value):
         raise InputError(f"accum_dtype must be None (the weight's dtype) or torch.float32, got {value!r}")
 
 
+def bias(name, value, vocab):
+    """An optional bias [V] of an LM head of V classes."""
+    if value is not None:
+        c.tensor(name, value, ndim=1, floating=True)
+        c.dim_equals(name, value.shape[0], vocab, "length")
+
+
+def target_classes(a):
+    """The class-index check of an LM head's `target`: it needs the values, so it runs where the op runs. With a
+    process_group the weight is a slice: the composition checks against the whole vocabulary."""
+    if a.process_group is None:
+        c.class_indices("target", a.target, a.weight.shape[0], a.ignore_index)
+
+
 def labels(name, value, n):
     """Optional per-row labels: an integer tensor with one entry per row."""
     if value is None:

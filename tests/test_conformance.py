@@ -48,6 +48,11 @@ def test_flce(op, backend, dtype, case):
     testing.check_case(op, backend, dtype, case, DEVICE)
 
 
+@pytest.mark.parametrize("op,backend,dtype,case", cases("fused_linear_logprobs"))
+def test_fused_linear_logprobs(op, backend, dtype, case):
+    testing.check_case(op, backend, dtype, case, DEVICE)
+
+
 @pytest.mark.parametrize("op,backend,dtype,case", cases("fused_linear_jsd"))
 def test_fused_linear_jsd(op, backend, dtype, case):
     testing.check_case(op, backend, dtype, case, DEVICE)

@@ -96,17 +96,25 @@ class _WithBackward(torch.autograd.Function):
     """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
 
     @staticmethod
-    def forward(ctx, op, fn, options, outputs, *tensors):
+    def forward(ctx, op, fn, options, outputs, where, once, *tensors):
         results = fn(*tensors, **options)
         ctx.save_for_backward(*tensors, *results[outputs:])
-        ctx.fn, ctx.options, ctx.op = fn, options, op
+        ctx.fn, ctx.options, ctx.where, ctx.once, ctx.op = fn, options, where, once, op
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return tuple(results[:outputs])
 
     @staticmethod
     def backward(ctx, *grads):
         once_differentiable(ctx.op)
-        return None, None, None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
+        if ctx.once:  # its backward overwrites what it saved (OpSpec.saved "Tensor(a!)")
+            if getattr(ctx, "done", False):
+                raise RuntimeError(f"liger_dispatch: {ctx.op}'s backward overwrites what its forward kept, so it "
+                                   "cannot be backpropagated twice (retain_graph=True); call the op again instead")
+            ctx.done = True
+        result = [None] * (len(ctx.needs_input_grad) - 6)  # one per input tensor
+        for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)):
+            result[i] = g
+        return None, None, None, None, None, None, *result
 
 
 def _scaled(ctx, grad_loss: torch.Tensor) -> list:
@@ -257,6 +265,8 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     among them, are the same in every call of the signature, so they are read once."""
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = _returns(spec.schema_text)
+    where = _differentiable_places(spec)
+    once = spec.name if "(a!)" in spec.saved else None
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -266,7 +276,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
         if not grads:
             return fn(*tensors, **options)[:outputs]
-        return _apply(_WithBackward, (spec.name, fn, options, outputs), tensors)
+        return _apply(_WithBackward, (spec.name, fn, options, outputs, where, once), tensors)
 
     return launch
 
@@ -394,6 +404,18 @@ def _define_loss(spec: OpSpec) -> None:
     torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
 
 
+def _differentiable_places(spec: OpSpec) -> list[int]:
+    """Each differentiable tensor's place among the op's positional inputs."""
+    return [spec.schema.positional.index(n) for n in spec.differentiable]
+
+
+def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out (None)."""
+    if input is None:
+        return like.new_empty(0)
+    return grad.reshape(input.shape).to(input.dtype)
+
+
 def _returns(schema_text: str) -> int:
     """How many tensors a schema returns."""
     returns = schema_text.rpartition("->")[2].strip()
@@ -403,11 +425,14 @@ def _returns(schema_text: str) -> int:
 def _define_with_backward(spec: OpSpec) -> None:
     """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
     its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
-    optional gradient per output, and returning one gradient per differentiable input."""
+    optional gradient per output, and returning one gradient per differentiable input. A saved tensor declared
+    `Tensor(a!)` is one the implementation's backward overwrites (eager autograd hands it over); a traced backward
+    may not change what the forward saved, so this one gives the backward a copy."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
     outputs = _returns(spec.schema_text)
-    saved = [p.strip() for p in spec.saved.split(",")]
+    saved = [p.strip().replace("(a!)", "") for p in spec.saved.split(",")]
+    overwritten = [len(positional) + i for i, p in enumerate(spec.saved.split(",")) if "(a!)" in p]
 
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
@@ -419,23 +444,28 @@ def _define_with_backward(spec: OpSpec) -> None:
         return spec.fake(_bind(spec, args, kwargs)[0])
 
     own_positional, keyword, _ = _split(spec.schema_text)
+    own_positional = [p.partition("=")[0].strip() for p in own_positional]  # the backward's come before the saved
     _LIB.define(_torch_schema(spec, "(" + ", ".join(["Tensor"] * (outputs + len(saved))) + ")"))
     grads = [f"Tensor? grad_{i}" for i in range(outputs)]
     _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads], [*keyword, "str? backend=None"],
                            "(" + ", ".join(["Tensor"] * len(spec.differentiable)) + ")"))
 
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
-    where = [positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
+    where = _differentiable_places(spec)
 
     def backward_impl(*args, backend=None, **options):
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
-        fn = selection.select(spec.name, selection.parse_backends(backend), tensors, options).fn
+        pinned = selection.parse_backends(backend)
+        fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
+                                    spec.schema.bind(tensors, options), pinned)
+        args = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
         grads = fn.backward(*args, **options)
-        return tuple(g.reshape(tensors[i].shape).to(tensors[i].dtype) for i, g in zip(where, grads))
+        # an input left out (None) gets an empty tensor: a torch op returns tensors
+        return tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads))
 
     def backward_fake(*args, backend=None, **options):
-        return tuple(torch.empty_like(args[i]) for i in where)
+        return tuple(args[0].new_empty(0) if args[i] is None else torch.empty_like(args[i]) for i in where)
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         ctx.save_for_backward(*inputs, *output[outputs:])
@@ -445,12 +475,13 @@ def _define_with_backward(spec: OpSpec) -> None:
 
     def backward(ctx, *grad_outputs):
         once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
-        grads = getattr(torch.ops.liger_dispatch, backward_name)(*ctx.saved_tensors, *grad_outputs[:outputs],
-                                                                 **ctx.keywords)
+        saved = ctx.saved_tensors
+        grads = getattr(torch.ops.liger_dispatch, backward_name)(*saved, *grad_outputs[:outputs], **ctx.keywords)
         result = [None] * len(positional)
         for i, g in zip(where, grads):
-            result[i] = g
-        return tuple(result)
+            result[i] = g if saved[i] is not None else None  # an input left out (bias=None) got an empty tensor
+        # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
+        return tuple(result[: len(ctx.needs_input_grad)])
 
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
@@ -482,10 +513,10 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
     op = getattr(torch.ops.liger_dispatch, spec.name)
     if spec.level == "kernel":
         return op(*positional, **options, backend=backend)
+    if options.get("process_group") is not None:  # the op takes a group by its name
+        options["process_group"] = vocab_parallel.group_name(options["process_group"])
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
-        if options.get("process_group") is not None:  # the op takes a group by its name
-            options["process_group"] = vocab_parallel.group_name(options["process_group"])
         return op(*positional, **options, need_grads=need, backend=backend)[0]
     return op(*positional, **options, backend=backend)[:_returns(spec.schema_text)]
 
