@@ -158,7 +158,8 @@ def test_unhashable_options_and_vocab_parallel_calls_are_not_remembered(planned)
     args = flce_args()
     for _ in range(2):
         handle(*args.values(), label_smoothing=0.0)
-    assert calls.key(handle._spec, handle.pinned, tuple(args.values()), dict(label_smoothing=[0.0])) is None
+    unhashable = calls.key(handle._spec, handle.pinned, tuple(args.values()), dict(label_smoothing=[0.0]))
+    assert calls.get(unhashable) is None and calls.remember(unhashable, object()) is None
     assert calls.remember(("key",), object(), process_group="group") is None
     assert ("key",) not in calls._plans and planned == ["flce"]
 

@@ -62,17 +62,21 @@ def _signature(values) -> tuple:
 def key(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[tuple]:
     """The key of a call's plan, or None when the call cannot be remembered."""
     try:
-        call_key = (spec, pinned, _signature(args), tuple(kwargs), _signature(kwargs.values()) if kwargs else (),
-                    torch.is_grad_enabled(), autocast.enabled() and _autocast_state(spec, args, kwargs),
-                    None if pinned else _preference(spec), TABLE.version_of(spec.name), selection.generation)
-        hash(call_key)
-        return call_key
-    except (TypeError, RuntimeError, AttributeError, KeyError, IndexError):  # unhashable, no strides, missing
+        return (spec, pinned, _signature(args), tuple(kwargs), _signature(kwargs.values()) if kwargs else (),
+                torch.is_grad_enabled(), autocast.enabled() and _autocast_state(spec, args, kwargs),
+                None if pinned else _preference(spec), TABLE.version_of(spec.name), selection.generation)
+    except (RuntimeError, AttributeError, KeyError, IndexError):  # no strides, not a tensor, missing
         return None
 
 
 def get(call_key: Optional[tuple]) -> Optional[Plan]:
-    return None if call_key is None else _plans.get(call_key)
+    """The plan of a key, or None (also for a key that cannot be hashed: an unhashable option)."""
+    if call_key is None:
+        return None
+    try:
+        return _plans.get(call_key)
+    except TypeError:
+        return None
 
 
 def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
@@ -82,7 +86,10 @@ def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
         _plans.clear()
     # under the table's version the plan was made at: the call's discovery may have registered backends since
     # the key was made, and the next call makes its key with this one
-    _plans[(*call_key[:_VERSION], TABLE.version_of(call_key[0].name), call_key[-1])] = plan
+    try:
+        _plans[(*call_key[:_VERSION], TABLE.version_of(call_key[0].name), call_key[-1])] = plan
+    except TypeError:  # an unhashable option: not remembered
+        pass
 
 
 def reset() -> None:
@@ -92,6 +99,8 @@ def reset() -> None:
 
 def _preference(spec):
     """What selection reads besides the arguments (a call pinning backends reads none of it)."""
+    if spec.internal:
+        return None
     preference = selection.preferences(spec.name, ())
     return preference if any(preference) else getenv(TUNED_TABLE.name)  # auto: the tuned tables order it
 
