@@ -143,8 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo.add_argument("--steps", type=int, help="training steps (default: 60 per phase for llama, 30 for mhc)")
     demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"],
                       help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
-    demo.add_argument("--png", type=Path, default=Path("liger-dispatch-demo.png"),
-                      help="where the llama demo writes its loss curves")
+    demo.add_argument("--png", type=Path, help="where the llama demo writes its loss curves (default: "
+                                               "liger-dispatch-demo.png in the temp dir, outside any working tree)")
     tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
