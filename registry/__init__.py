@@ -1,18 +1,19 @@
 """The op table of liger-dispatch: every op family's declarations, and where each backend implements them.
 
-An op family module (cross_entropy, jsd, kl_div, logprobs, mhc) holds everything that is specific to its ops, read by the
-machinery: OPS, their OpSpecs (schemas, checks, fakes, compositions, fp16 bounds, vocab-parallel layouts), and
-BACKEND_MODULES, the module of each backend package that implements each kernel-level op. Importing this module
+An op family module (cross_entropy, jsd, kl_div, logprobs, mhc; support: the machinery's own kernels) holds everything that is specific to its ops, read by the
+machinery: OPS, their OpSpecs (schemas, checks, fakes, compositions, fp16 bounds, vocab-parallel layouts, tuning),
+BACKEND_MODULES, the module of each backend package that implements each kernel-level op, and optionally BACKENDS,
+the backends that have those modules (default: all four). Importing this module
 declares everything; backend modules are imported lazily.
 """
 
 from liger_dispatch import settings
 from liger_dispatch.core.discovery import declare_backend_devices
 from liger_dispatch.core.table import TABLE, declare_op_locations
-from liger_dispatch.registry import cross_entropy, jsd, kl_div, logprobs, mhc
+from liger_dispatch.registry import cross_entropy, jsd, kl_div, logprobs, mhc, support
 
 BACKENDS = ("reference", "triton", "cutedsl", "helion")
-FAMILIES = (cross_entropy, jsd, kl_div, logprobs, mhc)
+FAMILIES = (cross_entropy, jsd, kl_div, logprobs, mhc, support)
 
 for _family in FAMILIES:
     for _spec in _family.OPS:
@@ -20,7 +21,8 @@ for _family in FAMILIES:
     # user-level ops are served through the kernel-level modules they are composed of; a backend's
     # whole-op implementation registers itself from one of its modules.
     for _op, _module in _family.BACKEND_MODULES.items():
-        declare_op_locations(_op, {b: f"liger_dispatch.backends.{b}.{_module}" for b in BACKENDS})
+        backends = getattr(_family, "BACKENDS", BACKENDS)
+        declare_op_locations(_op, {b: f"liger_dispatch.backends.{b}.{_module}" for b in backends})
 
 
 def _cuda_or_interpreted(*interpreters: settings.Setting):

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from liger_dispatch.errors import InputError
-from liger_dispatch.registry.device_labels import assert_class_indices
 from liger_dispatch import settings
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -114,13 +113,15 @@ def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int
     """Every entry in [0, vocab) or equal to ignore_index.
 
     On an accelerator the check is a device-side assert (as torch's own cross-entropy does it): no host sync, a
-    bad label stops the device with a message (device_labels.py). LIGER_CHECKS=full checks on the host instead,
+    bad label stops the device with a message (registry/support.py). LIGER_CHECKS=full checks on the host instead,
     with a Python error.
     """
     if target.numel() == 0:
         return
     if target.device.type != "cpu" and settings.CHECKS.get() != "full":
-        assert_class_indices(name, target, vocab, ignore_index)
+        from liger_dispatch.registry import support  # (support's checks use this module)
+
+        support.run("check_class_indices", target, vocab=vocab, ignore_index=ignore_index, name=name)
         return
     low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())
     if low < 0 or high >= vocab:

@@ -23,6 +23,7 @@ from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.tuning import points as tp
 
 CE_SCHEMA = ("ce_loss_and_grad(Tensor(a!) logits, Tensor target, *, Tensor? grad_scale=None, int ignore_index=-100, "
              "float label_smoothing=0.0, float? softcap=None, float lse_square_scale=0.0) -> Tensor")
@@ -200,6 +201,23 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
     return ce_loss_and_grad
 
 
+# ---------------------------------------------------------------- tuning
+
+
+def bucket(input, weight, target, bias=None, *, label_smoothing=0.0, softcap=None, lse_square_scale=0.0, **_):
+    rest = (("v", tp.pow2_ceil(weight.shape[0])),)
+    if softcap is not None or label_smoothing or lse_square_scale:
+        rest += tuple((name, "on") for name, on in (("softcap", softcap is not None), ("smoothing", label_smoothing),
+                                                    ("z-loss", lse_square_scale)) if on)
+    return tp.pow2_ceil(tp.rows(input)), rest
+
+
+def tune_points(n, hidden, vocab, dtype, device, args):
+    shape, check = tp.lm_shape(n, hidden, vocab)
+    x, w = tp.lm_head(n, hidden, vocab, dtype, device)
+    yield tp.Point("flce", shape, tp.Inputs((x, w, tp.labels(n, vocab, device)), {}, [x, w]), check)
+
+
 OPS = (
     OpSpec(CE_SCHEMA, "kernel", check_ce_loss_and_grad, value_check=ce_classes, fake=heads.fake_rows,
            summary="per-row cross-entropy of a logits chunk; gradient written into the logits"),
@@ -213,6 +231,7 @@ OPS = (
            impl_extra=f"{heads.NEED_GRADS}, {heads.ROW_WEIGHTS}", fake=fake_flce,
            vocab_parallel=VocabParallel("weight", sliced={"weight": 0, "bias": 0},
                                         replicated={"input": False, "target": True}, kernel=vocab_parallel_kernel),
+           tuning=tp.Tuning(bucket, tp.lm_head_groups(tune_points)),
            summary="fused linear + cross-entropy (label smoothing, softcap, z-loss)"),
 )
 BACKEND_MODULES = {"ce_loss_and_grad": "ce", "ce_vp_stats": "vocab_parallel", "ce_vp_grad": "vocab_parallel"}

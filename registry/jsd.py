@@ -23,6 +23,7 @@ from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
 from liger_dispatch.core.table import OpSpec
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.tuning import points as tp
 
 KERNEL_SCHEMA = ("jsd_loss_and_grad(Tensor(a!) student_logits, Tensor teacher_logits, Tensor? labels=None, *, "
                  "float beta=0.5, int ignore_index=-100, float temperature=1.0, Tensor? grad_scale=None) -> Tensor")
@@ -155,6 +156,29 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
     return jsd_loss_and_grad
 
 
+# ---------------------------------------------------------------- tuning
+
+
+def bucket(student_input, student_weight, *_args, jsd_beta=0.5, **_):
+    """2-pass (beta 0 or 1) and 3-pass kernels rank differently."""
+    beta = "0" if jsd_beta == 0.0 else "1" if jsd_beta == 1.0 else "mixture"
+    return tp.pow2_ceil(tp.rows(student_input)), (("v", tp.pow2_ceil(student_weight.shape[0])), ("beta", beta))
+
+
+def tune_points(n, hidden, vocab, dtype, device, args):
+    """One point a beta of --betas, on one student and teacher."""
+    shape, check = tp.lm_shape(n, hidden, vocab)
+    x, w = tp.lm_head(n, hidden, vocab, dtype, device)
+    xt, wt = (t.detach() for t in tp.lm_head(n, hidden, vocab, dtype, device))
+    labels = tp.labels(n, vocab, device)
+    for beta in args.betas:
+        yield tp.Point("fused_linear_jsd", shape, tp.Inputs((x, w, xt, wt, labels), {"jsd_beta": beta}, [x, w]), check)
+
+
+TUNE_ARGUMENTS = ((("--betas",), dict(nargs="+", type=float, default=[0.5, 0.0, 1.0],
+                                      help="fused_linear_jsd betas")),)
+
+
 OPS = (
     OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, fake=heads.fake_rows,
            summary="per-row JSD of student vs teacher logits; gradient written into the student's"),
@@ -171,6 +195,7 @@ OPS = (
            vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "teacher_weight": 0},
                                         replicated={"student_input": False, "teacher_input": True,
                                                     "shift_labels": True}, kernel=vocab_parallel_kernel),
+           tuning=tp.Tuning(bucket, tp.lm_head_groups(tune_points), TUNE_ARGUMENTS),
            summary="fused linear generalized JSD for distillation"),
 )
 BACKEND_MODULES = {"jsd_loss_and_grad": "jsd", "jsd_vp_stats": "vocab_parallel", "jsd_vp_sums": "vocab_parallel",

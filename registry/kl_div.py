@@ -23,6 +23,7 @@ from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.tuning import points as tp
 
 KERNEL_SCHEMA = ("kl_div_loss_and_grad(Tensor(a!) student_logits, Tensor target, Tensor? labels=None, *, "
                  "int ignore_index=-100, float temperature=1.0, float eps=1e-10, bool log_target=False, "
@@ -169,6 +170,28 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
     return kl_div_loss_and_grad
 
 
+# ---------------------------------------------------------------- tuning
+
+
+def bucket(student_input, student_weight, target, *_args, log_target=False, **_):
+    rest = (("v", tp.pow2_ceil(student_weight.shape[0])), ("target", str(target.dtype).replace("torch.", "")))
+    return tp.pow2_ceil(tp.rows(student_input)), rest + ((("log_target", "on"),) if log_target else ())
+
+
+def tune_points(n, hidden, vocab, dtype, device, args):
+    """One point a target dtype: the inputs' and fp32."""
+    shape, check = tp.lm_shape(n, hidden, vocab)
+    x, w = tp.lm_head(n, hidden, vocab, dtype, device)
+    for target_dtype in dict.fromkeys((dtype, torch.float32)):
+        target = torch.empty(n, vocab, dtype=target_dtype, device=device)
+        for start in range(0, n, 2048):  # bounds the fp32 temporary
+            rows = target[start:start + 2048]
+            rows.copy_(torch.softmax(torch.randn(rows.shape, device=device) * 2.0, dim=-1))
+        yield tp.Point("fused_linear_kl_div", shape,
+                       tp.Inputs((x, w, target, tp.labels(n, vocab, device)), {}, [x, w]), check)
+        target = None
+
+
 OPS = (
     OpSpec(KERNEL_SCHEMA, "kernel", check_kernel, value_check=target_probabilities, fake=heads.fake_rows,
            summary="per-row KL(target || student); gradient written into the student logits"),
@@ -183,6 +206,7 @@ OPS = (
            vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "target": -1},
                                         replicated={"student_input": False, "shift_labels": True},
                                         kernel=vocab_parallel_kernel),
+           tuning=tp.Tuning(bucket, tp.lm_head_groups(tune_points)),
            summary="fused linear KL divergence against explicit target probabilities"),
 )
 BACKEND_MODULES = {"kl_div_loss_and_grad": "kl_div", "kl_div_vp_stats": "vocab_parallel",

@@ -17,6 +17,7 @@ import torch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.core.table import OpSpec, TensorSpec
+from liger_dispatch.tuning import points as tp
 
 
 def streams_of(phi: torch.Tensor) -> int:
@@ -173,6 +174,39 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.is_contiguous() else rows.contiguous()
 
 
+# ---------------------------------------------------------------- tuning
+
+
+def bucket(x, *_args, **_):
+    return tp.pow2_ceil(tp.rows(x, 2)), (("hc", x.shape[-2]), ("c", tp.pow2_ceil(x.shape[-1])))
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    b, t, hc, channels = (int(v) for v in text.lower().split("x"))
+    return b, t, hc, channels
+
+
+def tune_groups(args, dtype):
+    """One point a --mhc shape, with random upstream gradients on the three outputs."""
+    for b, t, hc, channels in args.mhc:
+        yield lambda device, b=b, t=t, hc=hc, channels=channels: iter([_tune_point(b, t, hc, channels, dtype, device)])
+
+
+def _tune_point(b, t, hc, channels, dtype, device):
+    k, m = hc * channels, hc * hc + 2 * hc
+    leaves = [tp.randn((b, t, hc, channels), dtype, device), tp.randn((k, m), dtype, device, k ** -0.5),
+              tp.randn((m,), torch.float32, device, 0.1), *(0.5 + torch.rand((), device=device) for _ in range(3))]
+    for leaf in leaves:
+        leaf.requires_grad_()
+    upstream = (torch.randn(b, t, hc, device=device), torch.randn(b, t, hc, device=device),
+                torch.randn(b, t, hc, hc, device=device))
+    return tp.Point("mhc_coeffs", f"B={b} T={t} HC={hc} C={channels}", tp.Inputs(tuple(leaves), {}, leaves, upstream))
+
+
+TUNE_ARGUMENTS = ((("--mhc",), dict(nargs="+", type=_shape, default=[(4, 512, 4, 1024), (4, 2048, 4, 4096)],
+                                    metavar="BxTxHCxC", help="mhc_coeffs shapes (default: 4x512x4x1024 4x2048x4x4096)")),)
+
+
 OPS = (
     OpSpec(FWD_SCHEMA, "kernel", check_mhc_coeff_fwd, fake=fake_mhc_coeff_fwd,
            summary="mHC coefficients forward: x @ phi, RMS scaling, sigmoids, Sinkhorn"),
@@ -181,6 +215,7 @@ OPS = (
     OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"), compose=MHCCoeffs,
            probe=probe_mhc_coeffs, differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
            fake=fake_mhc_coeffs, saved="Tensor mix, Tensor rstd",
+           tuning=tp.Tuning(bucket, tune_groups, TUNE_ARGUMENTS),
            summary="mHC pre/post/residual coefficients, with autograd"),
 )
 BACKEND_MODULES = {"mhc_coeff_fwd": "mhc", "mhc_coeff_bwd": "mhc"}

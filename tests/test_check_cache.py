@@ -14,8 +14,8 @@ from liger_dispatch.core import check_cache
 from liger_dispatch import dispatch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
-from liger_dispatch.registry import device_labels
-from liger_dispatch.registry.device_labels import assert_class_indices
+from liger_dispatch.backends.reference.support import check_class_indices
+from liger_dispatch.backends.triton import support as triton_support
 from liger_dispatch.core.schema import OpSchema
 
 from test_checks import BAD, KERNEL_BAD, N, V, call, flce_args, kl_args, mhc_args
@@ -151,10 +151,10 @@ def test_device_class_index_check_accepts_exactly_the_valid_labels(dtype, ignore
         target = torch.tensor([0, value, V - 1], dtype=dtype)
         valid = value == ignore_index or 0 <= value < V
         if valid:
-            assert_class_indices("target", target, V, ignore_index)
+            check_class_indices(target, vocab=V, ignore_index=ignore_index)
         else:
             with pytest.raises(RuntimeError, match=rf"target holds a class index outside \[0, {V}\)"):
-                assert_class_indices("target", target, V, ignore_index)
+                check_class_indices(target, vocab=V, ignore_index=ignore_index)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
@@ -167,16 +167,15 @@ def test_triton_class_index_check_accepts_exactly_the_valid_labels(dtype, ignore
 
     options = interpreter.interpreter_builder.options
     monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(options, debug=True))
-    kernel = device_labels._kernel()
     for value in (-101, -100, -1, 0, 1, V - 1, V, V + 1, V + 2):
         if dtype == torch.uint8 and value < 0:
             continue
         target = torch.tensor([0, value, V - 1] * 700, dtype=dtype)  # more than one program's block
         if value == ignore_index or 0 <= value < V:
-            device_labels.launch_check(kernel, "target", target, V, ignore_index)
+            triton_support.launch_check(target, V, ignore_index)
         else:
             with pytest.raises(InterpreterError, match=r"target holds a class index outside \[0, V\)"):
-                device_labels.launch_check(kernel, "target", target, V, ignore_index)
+                triton_support.launch_check(target, V, ignore_index)
 
 
 def test_host_class_index_check_names_the_value():

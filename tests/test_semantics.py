@@ -44,8 +44,10 @@ ARGS = {
     "kl_div_vp_grad": lambda: (torch.randn(N, V), torch.softmax(torch.randn(N, V), -1), torch.zeros(N), torch.ones(N)),
     "logprobs_stats": lambda: (torch.randn(N, V), _labels(N)),
     "logprobs_grad": lambda: (torch.randn(N, V), _labels(N), torch.zeros(N, 3), torch.ones(N)),
+    "check_class_indices": lambda: (_labels(N),),
 }
-REQUIRED = {"mhc_coeff_fwd": dict(hc=HC)}
+REQUIRED = {"mhc_coeff_fwd": dict(hc=HC), "check_class_indices": dict(vocab=V, ignore_index=-100)}
+UNCHECKED = {("mhc_coeff_fwd", "hc")}  # hc is checked against phi's columns (an error naming phi)
 NOT_NUMBERS = {"float": (True, math.inf, -math.inf, math.nan, "1.0"), "Optional[float]": (True, math.inf, math.nan),
                "int": (True, 1.5, "1"), "bool": (1, None, "yes")}
 
@@ -63,14 +65,14 @@ def test_every_op_with_options_has_valid_arguments_here():
 
 
 CASES = [(op, p.name, value) for op in ARGS for p in TABLE.spec(op).schema.params
-         if p.keyword_only and p.name not in REQUIRED.get(op, {}) for value in NOT_NUMBERS.get(p.type, ())]
+         if p.keyword_only and (op, p.name) not in UNCHECKED for value in NOT_NUMBERS.get(p.type, ())]
 
 
 @pytest.mark.parametrize("op,option,value", CASES, ids=[f"{o}-{n}={v!r}" for o, n, v in CASES])
 def test_an_option_that_is_not_a_finite_number_or_a_bool_is_an_input_error_naming_it(op, option, value):
     """label_smoothing=True, softcap=inf, temperature=nan, log_target=None, ...: on every op, user- and kernel-level."""
     with pytest.raises(InputError, match=rf"^{option} must "):
-        call(op, *ARGS[op](), **REQUIRED.get(op, {}), **{option: value})
+        call(op, *ARGS[op](), **{**REQUIRED.get(op, {}), option: value})
 
 
 # ---------------------------------------------------------------- the labels' shape

@@ -14,6 +14,7 @@ from liger_dispatch.tools import cli
 from liger_dispatch import dispatch, settings
 from liger_dispatch.core import selection
 from liger_dispatch.tuning import tune, tuned
+from liger_dispatch.registry import cross_entropy
 
 H, V = 16, 40
 
@@ -183,7 +184,7 @@ def test_tune_stops_before_a_backend_the_budget_does_not_reach(tmp_path, capsys)
     point: a point the budget cannot finish gets no entry (and no point runs past the budget)."""
     out = tmp_path / "table.json"
     budget = tune.Budget(0.0, reps=1, warmup_ms=0.0)
-    point = next(tune.lm_points("flce", 8, H, V, torch.float32, torch.device("cpu"), [], []))
+    point = next(cross_entropy.tune_points(8, H, V, torch.float32, torch.device("cpu"), None))
     assert budget.predict_s(point, "triton") == 0.0  # nothing measured yet
     budget.record(point, "triton", 10.0)
     assert budget.predict_s(point, "triton") == pytest.approx(10.0 * 4 / 1e3)  # check, estimate, warm-up, 1 rep
@@ -195,7 +196,7 @@ def test_tune_stops_before_a_backend_the_budget_does_not_reach(tmp_path, capsys)
 
 def test_a_point_too_large_for_the_free_memory_is_skipped_before_it_is_made(monkeypatch, capsys):
     monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**20)
-    sized = list(tune.lm_points("flce", 4096, 64, 1000, torch.float32, torch.device("meta"), [], []))
+    sized = list(cross_entropy.tune_points(4096, 64, 1000, torch.float32, torch.device("meta"), None))
     why = tune.too_large(sized, torch.device("cpu"))
     assert why.startswith("flce N=4096 H=64 V=1000: skipped: its inputs and gradients take")
     monkeypatch.setattr(tune.timing, "host_free_bytes", lambda: 2**40)

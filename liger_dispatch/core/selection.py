@@ -61,7 +61,9 @@ def env_key(op: str) -> str:
 
 
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """(where the preference came from, the backend names), or ("auto", ()) when none is set."""
+    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies)."""
+    if TABLE.spec(op).internal:
+        return "auto", ()
     if pinned:
         return "backend= on the handle", pinned
     stack = getattr(_local, "stack", None)

@@ -59,6 +59,8 @@ class OpSpec:
     saved: for a user-level op with a backward of its own (its implementation has a `backward` method), what the
         implementation returns after the op's outputs for that backward, as schema parameters ("Tensor mix, ...").
     vocab_parallel: for a user-level loss with a vocab-parallel path, its compose.vocab_parallel.VocabParallel.
+    tuning: for a user-level op that tuned tables order, its tuning.points.Tuning (buckets, the points to time).
+    internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it.
     """
 
     schema_text: str
@@ -75,6 +77,8 @@ class OpSpec:
     autocast: tuple[str, ...] = ()
     saved: str = ""
     vocab_parallel: Optional[object] = None
+    tuning: Optional[object] = None
+    internal: bool = False
     summary: str = ""
     schema: OpSchema = field(init=False)
     extra: OpSchema = field(init=False)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from liger_dispatch import settings
+from liger_dispatch.tools import demos
 from liger_dispatch.tuning import tune
 from liger_dispatch.capability import default_device, default_dtype, dtype_name
 from liger_dispatch.errors import LigerDispatchError
@@ -60,7 +60,7 @@ def matrix_rows(device: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, l
     notes: list[str] = []
     rows = []
     for level in ("user", "kernel"):
-        for name in TABLE.op_names(level):
+        for name in (n for n in TABLE.op_names(level) if not TABLE.spec(n).internal):
             status = backend_status(name, device, dtype)
             cells = []
             for backend in backends:
@@ -137,14 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
-    demo.add_argument("--model", default="llama", choices=["llama", "mhc"],
-                      help="llama: a tiny Hugging Face Llama trained with the patched loss, then distilled into a "
-                           "smaller one (needs the `demo` extra); mhc: a small LM with an mHC block, no extras")
-    demo.add_argument("--steps", type=int, help="training steps (default: 60 per phase for llama, 30 for mhc)")
-    demo.add_argument("--loss", default="jsd", choices=["jsd", "kl"],
-                      help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
-    demo.add_argument("--png", type=Path, help="where the llama demo writes its loss curves (default: "
-                                               "liger-dispatch-demo.png in the temp dir, outside any working tree)")
+    demos.add_arguments(demo)
     tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
@@ -155,14 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else default_dtype(torch.device(device))
     try:
         settings.check_all()
-        if args.command == "demo" and args.model == "mhc":
-            from liger_dispatch.tools.demo import run
-
-            return run(steps=args.steps or 30, device=device, dtype=dtype, distill=args.loss)
         if args.command == "demo":
-            from liger_dispatch.tools.demo_llama import run
-
-            return run(steps=args.steps or 60, device=device, dtype=dtype, distill=args.loss, png=args.png)
+            return demos.run(args, device, dtype)
         if args.command == "tune":
             return tune.run(args, device, dtype)
         matrix(device, dtype)

@@ -33,7 +33,6 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -44,97 +43,24 @@ from liger_dispatch.core import selection
 from liger_dispatch.tuning import tuned
 from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import FallbackWarning
-from liger_dispatch.core.table import REFERENCE
-from liger_dispatch.timing import Inputs
+from liger_dispatch.core.table import REFERENCE, TABLE
+from liger_dispatch.tuning.points import Point
 
 PROG = "python -m liger_dispatch tune"
-DEFAULT_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs")
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)
-DEFAULT_BETAS = (0.5, 0.0, 1.0)
-DEFAULT_MHC = ((4, 512, 4, 1024), (4, 2048, 4, 4096))  # (B, T, HC, C)
-CHECK_LOGITS = 2**29
 MEMORY_FRACTION = 0.9  # of the free memory a point's inputs and gradients may take
 
 
-@dataclass
-class Point:
-    """One op at one shape: its call (inputs, leaves, upstream gradients), and whether the reference checks it."""
-
-    op: str
-    shape: str
-    inputs: Inputs
-    check: bool = True
-
-    def describe(self) -> str:
-        return f"{self.op} {self.shape} {self.inputs.kwargs or ''}".rstrip()
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def _randn(shape, dtype, device, std=1.0):
-    return (torch.randn(shape, device=device) * std).to(dtype)
-
-
-def _head(n, hidden, vocab, dtype, device):
-    """x [N, H] ~ N(0, 1) and W [V, H] ~ N(0, 1/H): logits of unit scale, as a trained head gives."""
-    return _randn((n, hidden), dtype, device).requires_grad_(), _randn((vocab, hidden), dtype, device,
-                                                                      hidden ** -0.5).requires_grad_()
-
-
-def _labels(n, vocab, device):
-    labels = torch.randint(0, vocab, (n,), device=device)
-    return labels.masked_fill_(torch.rand(n, device=device) < 0.05, -100)  # a few ignored rows, as in training
-
-
-def lm_points(op, n, hidden, vocab, dtype, device, betas, target_dtypes):
-    shape = f"N={n} H={hidden} V={vocab}"
-    check = n * vocab <= CHECK_LOGITS
-    x, w = _head(n, hidden, vocab, dtype, device)
-    if op == "flce":
-        yield Point(op, shape, Inputs((x, w, _labels(n, vocab, device)), {}, [x, w]), check)
-    elif op == "fused_linear_jsd":
-        xt, wt = (t.detach() for t in _head(n, hidden, vocab, dtype, device))
-        labels = _labels(n, vocab, device)
-        for beta in betas:
-            yield Point(op, shape, Inputs((x, w, xt, wt, labels), {"jsd_beta": beta}, [x, w]), check)
-    elif op == "fused_linear_kl_div":
-        for target_dtype in target_dtypes:
-            target = torch.empty(n, vocab, dtype=target_dtype, device=device)
-            for start in range(0, n, 2048):  # bounds the fp32 temporary
-                rows = target[start:start + 2048]
-                rows.copy_(torch.softmax(torch.randn(rows.shape, device=device) * 2.0, dim=-1))
-            yield Point(op, shape, Inputs((x, w, target, _labels(n, vocab, device)), {}, [x, w]), check)
-            target = None
-    else:
-        raise ValueError(f"tune: no LM-head inputs for op {op!r}")
-
-
-def mhc_point(b, t, hc, c, dtype, device):
-    k, m = hc * c, hc * hc + 2 * hc
-    leaves = [_randn((b, t, hc, c), dtype, device), _randn((k, m), dtype, device, k ** -0.5),
-              _randn((m,), torch.float32, device, 0.1), *(0.5 + torch.rand((), device=device) for _ in range(3))]
-    for leaf in leaves:
-        leaf.requires_grad_()
-    upstream = (torch.randn(b, t, hc, device=device), torch.randn(b, t, hc, device=device),
-                torch.randn(b, t, hc, hc, device=device))
-    return Point("mhc_coeffs", f"B={b} T={t} HC={hc} C={c}", Inputs(tuple(leaves), {}, leaves, upstream))
-
-
-# ---------------------------------------------------------------- what to measure
+def tuned_ops() -> list[str]:
+    """The user-level ops whose families declare how to tune them (OpSpec.tuning), in the registry's order."""
+    return [name for name in TABLE.op_names("user") if TABLE.spec(name).tuning is not None]
 
 
 def point_groups(args, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[torch.device], Iterator[Point]]]]:
-    """(op, make): make(device) yields the points of one allocation (the betas of one head share its inputs)."""
+    """(op, make): make(device) yields the points of one allocation (the points of one group share its inputs)."""
     for op in args.ops:
-        if op == "mhc_coeffs":
-            for shape in args.mhc:
-                yield op, lambda device, shape=shape: iter([mhc_point(*shape, dtype, device)])
-            continue
-        target_dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
-        for n in args.n:
-            yield op, lambda device, op=op, n=n: lm_points(op, n, args.hidden, args.vocab, dtype, device, args.betas,
-                                                           target_dtypes)
+        for make in TABLE.spec(op).tuning.groups(args, dtype):
+            yield op, make
 
 
 def _bytes(point: Point) -> int:
@@ -346,19 +272,15 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
     return 0
 
 
-def _mhc_shape(text: str) -> tuple[int, int, int, int]:
-    b, t, hc, c = (int(v) for v in text.lower().split("x"))
-    return b, t, hc, c
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", nargs="+", default=list(DEFAULT_OPS), choices=list(tuned.BUCKETS))
+    ops = tuned_ops()
+    parser.add_argument("--ops", nargs="+", default=ops, choices=ops)
     parser.add_argument("--n", nargs="+", type=int, default=list(DEFAULT_NS), help="rows of the LM-head ops")
     parser.add_argument("--hidden", type=int, default=4096, help="H of the LM-head ops (default: llama3's)")
     parser.add_argument("--vocab", type=int, default=128256, help="V of the LM-head ops (default: llama3's)")
-    parser.add_argument("--betas", nargs="+", type=float, default=list(DEFAULT_BETAS), help="fused_linear_jsd betas")
-    parser.add_argument("--mhc", nargs="+", type=_mhc_shape, default=list(DEFAULT_MHC), metavar="BxTxHCxC",
-                        help="mhc_coeffs shapes (default: 4x512x4x1024 4x2048x4x4096)")
+    for op in ops:  # each family's own options
+        for flags, options in TABLE.spec(op).tuning.arguments:
+            parser.add_argument(*flags, **options)
     parser.add_argument("--backends", nargs="+", help="time only these (default: every backend that serves here)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions a backend and point, at least (median)")
     parser.add_argument("--warmup-ms", type=float, default=0.0,

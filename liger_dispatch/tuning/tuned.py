@@ -18,12 +18,8 @@ difference is within what one point varies between runs on the H200 (1-5 %), not
 shape predicate turns a call down still yields to the next one.
 
 Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and per op
-the sizes and options that change which kernel wins:
-    flce                 v = V rounded up to a power of two; softcap, smoothing, z-loss when set
-    fused_linear_jsd     v; beta = 0 | 1 | mixture (2-pass and 3-pass kernels rank differently)
-    fused_linear_kl_div  v; the target's dtype; log_target when set
-    mhc_coeffs           hc = HC; c = C rounded up to a power of two
-A call whose N bucket has no entry takes the entry of the adjacent power of two (same op, dtype and other
+the sizes and options that change which kernel wins, as its family declares them (OpSpec.tuning.bucket: e.g. V
+rounded up to a power of two, the options that select another kernel). A call whose N bucket has no entry takes the entry of the adjacent power of two (same op, dtype and other
 fields), the larger one on a tie; further than that, static priority decides. Kernel-level ops have no
 buckets: they keep static priority.
 
@@ -35,7 +31,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import re
 import threading
 from dataclasses import dataclass
@@ -46,6 +41,7 @@ import torch
 
 from liger_dispatch import settings
 from liger_dispatch.capability import dtype_name
+from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import LigerDispatchError
 
 FORMAT = 1
@@ -107,47 +103,10 @@ def describe_key(key: dict) -> str:
 # ---------------------------------------------------------------- shape buckets
 
 
-def pow2_ceil(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
-def _rows(t: torch.Tensor, trailing: int = 1) -> int:
-    """The size of the leading dims, flattened."""
-    shape = t.shape
-    return shape[0] if len(shape) == trailing + 1 else math.prod(shape[:-trailing])
-
-
-def _flce(input, weight, target, bias=None, *, label_smoothing=0.0, softcap=None, lse_square_scale=0.0, **_):
-    rest = (("v", pow2_ceil(weight.shape[0])),)
-    if softcap is not None or label_smoothing or lse_square_scale:
-        rest += tuple((name, "on") for name, on in (("softcap", softcap is not None), ("smoothing", label_smoothing),
-                                                    ("z-loss", lse_square_scale)) if on)
-    return pow2_ceil(_rows(input)), rest
-
-
-def _jsd(student_input, student_weight, *_args, jsd_beta=0.5, **_):
-    beta = "0" if jsd_beta == 0.0 else "1" if jsd_beta == 1.0 else "mixture"
-    return pow2_ceil(_rows(student_input)), (("v", pow2_ceil(student_weight.shape[0])), ("beta", beta))
-
-
-def _kl_div(student_input, student_weight, target, *_args, log_target=False, **_):
-    rest = (("v", pow2_ceil(student_weight.shape[0])), ("target", dtype_name(target.dtype)))
-    return pow2_ceil(_rows(student_input)), rest + ((("log_target", "on"),) if log_target else ())
-
-
-def _mhc(x, *_args, **_):
-    return pow2_ceil(_rows(x, 2)), (("hc", x.shape[-2]), ("c", pow2_ceil(x.shape[-1])))
-
-
-BUCKETS: dict[str, Callable[..., tuple[int, tuple]]] = {
-    "flce": _flce, "fused_linear_jsd": _jsd, "fused_linear_kl_div": _kl_div, "mhc_coeffs": _mhc,
-}
-
-
 def bucket_of(op: str, args: Sequence, kwargs: dict) -> Optional[tuple[int, tuple]]:
     """(N bucket, the op's other bucket fields) of a call, or None for an op without buckets."""
-    fn = BUCKETS.get(op)
-    return None if fn is None else fn(*args, **kwargs)
+    tuning = TABLE.spec(op).tuning
+    return None if tuning is None else tuning.bucket(*args, **kwargs)
 
 
 def describe_rest(rest: tuple) -> str:

@@ -1,0 +1,68 @@
+"""check_class_indices and scale_grad in Triton (registry/support.py): one launch each, no host sync. On CUDA
+devices only: under the interpreter the reference's torch ops serve CPU tensors faster."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from liger_dispatch import register_backend
+
+from ._support import CAPABILITY, PRIORITY
+
+CUDA_ONLY = dataclasses.replace(CAPABILITY, devices=("cuda",), dtypes=None)
+LABEL_BLOCK = 1024
+# One block a program: when grad_loss is 1 each program reads it and returns (~n / SCALE_BLOCK tiny programs, tens
+# of us for a 128k x 4k dW), which is the case this kernel exists for.
+SCALE_BLOCK = 8192
+
+
+@triton.jit(debug=True)  # tl.device_assert is compiled in only in debug mode
+def _check_kernel(
+    T,  # [n] labels
+    n, vocab, ignore_index, MESSAGE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.load(T + offs, mask=offs < n, other=0).to(tl.int64)
+    tl.device_assert((t == ignore_index) | ((t >= 0) & (t < vocab)), MESSAGE)
+
+
+@triton.jit
+def _scale_kernel(
+    X,  # [n] gradient, scaled in place
+    G,  # [] grad_loss
+    n, BLOCK: tl.constexpr,
+):
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask)
+        tl.store(X + offs, (x.to(tl.float32) * g).to(X.dtype.element_ty), mask=mask)
+
+
+def launch_check(target, vocab, ignore_index, name="target"):
+    """The check of a 1-D contiguous target (the interpreter runs it on CPU tensors: the tests)."""
+    n = target.numel()
+    if n:
+        message = f"{name} holds a class index outside [0, V) that is not ignore_index; LIGER_CHECKS=full names it"
+        _check_kernel[(triton.cdiv(n, LABEL_BLOCK),)](target, n, vocab, ignore_index, MESSAGE=message,
+                                                      BLOCK=LABEL_BLOCK, num_warps=4)
+
+
+def launch_scale(grad, grad_loss):
+    n = grad.numel()
+    if n:
+        _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](grad, grad_loss, n, BLOCK=SCALE_BLOCK, num_warps=8)
+
+
+@register_backend("check_class_indices", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
+def check_class_indices(target, *, vocab, ignore_index, name="target"):
+    launch_check(target.reshape(-1), vocab, ignore_index, name)
+
+
+@register_backend("scale_grad", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
+def scale_grad(grad, grad_loss):
+    launch_scale(grad, grad_loss)

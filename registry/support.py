@@ -1,0 +1,61 @@
+"""Kernel-level ops the machinery itself runs on the device, with a torch fallback in the reference backend:
+
+    check_class_indices(target, vocab, ignore_index): a device-side assert that every label is ignore_index or in
+        [0, vocab), as torch's own cross-entropy checks (no host sync: a bad label stops the device with a message)
+    scale_grad(grad, grad_loss): the backward of a loss whose gradients were computed in the forward pass scales
+        them in place by grad_loss (almost always 1: the kernel reads it on the device and returns at once then)
+
+They are not the user's to pin: selection takes the best backend that serves the device, whatever LIGER_BACKEND
+says (OpSpec.internal), and `run` remembers it per (op, device).
+"""
+
+from __future__ import annotations
+
+from liger_dispatch.core import selection
+from liger_dispatch.core.table import TABLE, OpSpec
+from liger_dispatch.registry import checks as c
+
+LABELS_SCHEMA = "check_class_indices(Tensor target, *, int vocab, int ignore_index, str name='target') -> ()"
+SCALE_SCHEMA = "scale_grad(Tensor(a!) grad, Tensor grad_loss) -> ()"
+
+_LIMIT = 64
+_served: dict = {}  # (op, device, table version, selection generation) -> the implementation
+
+
+def run(op: str, *args, **kwargs) -> None:
+    """op's selected implementation on these arguments; the first argument's device picks it."""
+    key = (op, args[0].device, TABLE.version, selection.generation)
+    fn = _served.get(key)
+    if fn is None:
+        if len(_served) >= _LIMIT:
+            _served.clear()
+        fn = _served[key] = selection.select(op, (), args, kwargs).fn
+    fn(*args, **kwargs)
+
+
+def check_labels(a):
+    c.tensor("target", a.target, integer=True)
+    c.integer("vocab", a.vocab)
+    c.integer("ignore_index", a.ignore_index)
+
+
+def check_scale(a):
+    c.tensor("grad", a.grad, floating=True)
+    if not a.grad.is_contiguous():
+        raise c.InputError("grad must be contiguous (the gradients a loss computes in its forward pass are)")
+    c.tensor("grad_loss", a.grad_loss)
+    c.same_device(grad=a.grad, grad_loss=a.grad_loss)
+
+
+def _nothing(a):
+    return None
+
+
+OPS = (
+    OpSpec(LABELS_SCHEMA, "kernel", check_labels, fake=_nothing, internal=True,
+           summary="device-side assert: every label is ignore_index or in [0, vocab)"),
+    OpSpec(SCALE_SCHEMA, "kernel", check_scale, fake=_nothing, internal=True,
+           summary="in-place scale of a gradient by grad_loss (a no-op read when it is 1)"),
+)
+BACKEND_MODULES = {"check_class_indices": "support", "scale_grad": "support"}
+BACKENDS = ("reference", "triton")  # the backends with a support module
