@@ -40,6 +40,7 @@ from benchmarks import env as environment
 from benchmarks import mhc_kernels, workloads
 from benchmarks.shapes import LM_OPS, Case
 from liger_dispatch import dispatch, timing
+from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.table import TABLE
 
 LOSS_DIMS = (("N", 1024), ("H", 1024), ("V", 32000))  # small: the host cost shows, the GPU time does not hide it
@@ -65,16 +66,27 @@ def _like(spec) -> inspect.Signature:
 
 
 def register_noop(op: str, device: torch.device) -> str:
-    """A backend of `op` that returns a preallocated loss and no gradients, never picked unless pinned; its name."""
+    """A backend of `op` that computes nothing: a preallocated loss, and for each gradient asked for a preallocated
+    tensor of its shape (the op's contract, checked on a signature's first call); never picked unless pinned."""
     spec = TABLE.spec(op)
     loss = torch.zeros((), device=device)
-    none = (None,) * len(spec.differentiable)
+    made: dict = {}  # (shape, dtype) -> a gradient buffer
 
-    def noop(*args, **kwargs):
-        return (loss, *none)
+    def grad_like(t):
+        key = (t.shape, t.dtype)
+        if key not in made:
+            made[key] = torch.empty_like(t, dtype=grad_dtype(t))
+        return made[key]
+
+    def noop(*args, need_grads=(), **kwargs):
+        a = spec.schema.bind(args, {k: v for k, v in kwargs.items() if k not in spec.extra.names})
+        need = wanted_grads(need_grads, len(spec.differentiable))
+        tensors = [getattr(a, n) for n in spec.differentiable]
+        return (loss, *(grad_like(t) if w and t is not None else None for w, t in zip(need, tensors)))
 
     noop.__signature__ = _like(spec)
-    ld.register_backend(op, backend="noop", priority=1 << 20, capability=ld.Capability(devices=(device.type,)))(noop)
+    ld.register_backend(op, backend="noop", priority=1 << 20, capability=ld.Capability(devices=(device.type,)),
+                        replace=True)(noop)
     return "noop"
 
 

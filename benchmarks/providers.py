@@ -26,7 +26,8 @@ OURS_GRAPHED = "ours:cudagraphs"
 _OURS_TRACED = {OURS_COMPILED: "default", OURS_GRAPHED: "reduce-overhead"}
 _NOT_OURS = {EAGER, COMPILED, OURS_AUTO, *_OURS_TRACED, *peers.PEERS}
 # Arguments whose first dimension is N: kept dynamic so one compilation serves the whole N sweep.
-_ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3)}
+_ROW_ARGS = {"flce": (0, 2), "fused_linear_jsd": (0, 2, 4), "fused_linear_kl_div": (0, 2, 3),
+             "fused_linear_logprobs": (0, 2)}
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from typing import Iterable, Sequence
 import torch
 
 LM_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div")
+HEAD_OPS = (*LM_OPS, "fused_linear_logprobs")  # the ops on an LM head: its shape presets
 MODEL_OPS = (*LM_OPS, "mhc_coeffs")  # the ops with peers to compare against
-OPS = (*MODEL_OPS, "dispatch_overhead")
+OPS = (*MODEL_OPS, "fused_linear_logprobs", "dispatch_overhead")
 MODES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_NS = (1024, 2048, 4096, 8192, 16384)
@@ -77,7 +78,7 @@ def cases(op: str, shapes: Sequence[str], ns: Sequence[int] | None, tcs: Sequenc
           dtypes: Iterable[torch.dtype], modes: Iterable[str]) -> list[Case]:
     """The cases of one op, in run order (N ascending, so a size that cannot fit is predicted from smaller ones)."""
     points: list[tuple[str, int, tuple]] = []
-    if op in LM_OPS:
+    if op in HEAD_OPS:
         for name in shapes:
             head = LM_PRESETS[name]
             for n in sorted(ns or head.ns):
@@ -101,7 +102,7 @@ def cases(op: str, shapes: Sequence[str], ns: Sequence[int] | None, tcs: Sequenc
 
 def halved(case: Case) -> Case | None:
     """The same LM-head case at half the rows (None for mHC or a single row): where a check can still fit."""
-    if case.op not in LM_OPS or case.n < 2:
+    if case.op not in HEAD_OPS or case.n < 2:
         return None
     n = case.n // 2
     dims = tuple((k, n if k == "N" else v) for k, v in case.dims)

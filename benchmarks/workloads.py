@@ -16,7 +16,9 @@ from liger_dispatch.timing import Inputs
 IGNORE_INDEX = -100
 IGNORED_FRACTION = 0.05
 # GEMM FLOPs per N*H*V of the LM-head ops, per pass (fwd: the logits; bwd: grad input and grad weight).
-_GEMM_COEFF = {"flce": (2, 4), "fused_linear_jsd": (4, 4), "fused_linear_kl_div": (2, 4)}
+# fused_linear_logprobs: its floor keeps every row's logits (6 N H V; a recomputed row adds 2 H V to the backward)
+_GEMM_COEFF = {"flce": (2, 4), "fused_linear_jsd": (4, 4), "fused_linear_kl_div": (2, 4),
+               "fused_linear_logprobs": (2, 4)}
 
 
 def make_inputs(case: Case, device: torch.device, seed: int) -> Inputs:
@@ -101,6 +103,15 @@ def _kl(case, device, gen):
     return Inputs((_leaf(x), _leaf(w), target, labels), kwargs, [x, w])
 
 
+def _logprobs(case, device, gen):
+    """The RL setting: random upstream gradients on both outputs (logprobs and entropy), temperature 0.9."""
+    x, w = _head(case, device, gen)
+    n = case.dim("N")
+    target = _labels(n, case.dim("V"), device, gen)
+    upstream = (_randn((n,), torch.float32, device, gen), _randn((n,), torch.float32, device, gen))
+    return Inputs((_leaf(x), _leaf(w), target), {"ignore_index": IGNORE_INDEX, "temperature": 0.9}, [x, w], upstream)
+
+
 def _mhc(case, device, gen):
     """What a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model dtype."""
     b, t, hc, c = (case.dim(k) for k in ("B", "T", "HC", "C"))
@@ -115,4 +126,5 @@ def _mhc(case, device, gen):
     return Inputs(tuple(leaves), {}, leaves, upstream)
 
 
-_MAKERS = {"flce": _flce, "fused_linear_jsd": _jsd, "fused_linear_kl_div": _kl, "mhc_coeffs": _mhc}
+_MAKERS = {"flce": _flce, "fused_linear_jsd": _jsd, "fused_linear_kl_div": _kl, "fused_linear_logprobs": _logprobs,
+           "mhc_coeffs": _mhc}

@@ -8,8 +8,8 @@ selected per call by the inputs' device, compute capability and dtype.
 from liger_dispatch import dispatch
 from liger_dispatch.capability import Capability
 from liger_dispatch.dispatch import available_backends, op, registered_backends
-from liger_dispatch.errors import (BackendUnavailableError, ConfigError, FallbackWarning, InputError,
-                                   LigerDispatchError, UnknownBackendError, UnknownOpError)
+from liger_dispatch.errors import (BackendError, BackendUnavailableError, ConfigError, FallbackWarning, InputError,
+                                   LigerDispatchError, RegistrationError, UnknownBackendError, UnknownOpError)
 from liger_dispatch.core.selection import use_backend
 from liger_dispatch.core.table import declare_op_locations, register_backend
 from liger_dispatch import registry  # noqa: E402  (declares every op; imports no backend)
@@ -17,7 +17,8 @@ from liger_dispatch import registry  # noqa: E402  (declares every op; imports n
 __all__ = [
     "dispatch", "op", "available_backends", "registered_backends", "use_backend", "register_backend",
     "declare_op_locations", "Capability", "LigerDispatchError", "UnknownOpError", "UnknownBackendError",
-    "BackendUnavailableError", "ConfigError", "InputError", "FallbackWarning", "nn",
+    "BackendUnavailableError", "BackendError", "RegistrationError", "ConfigError", "InputError", "FallbackWarning",
+    "nn",
 ]
 
 

@@ -9,6 +9,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 _CC_CACHE: dict[int, tuple[int, int]] = {}
+# the device types a Capability may name: torch's own (a typo such as "gpu" is an error at registration)
+DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
 
 
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
@@ -62,7 +64,7 @@ class Capability:
     modules: importable modules it needs.
     predicate: called with the op's arguments; returns a reason string when the call is out of
         reach (a shape limit, say), None when it can serve. It must read only what a call's signature
-        holds (shapes, strides, dtypes, devices, option values: call_plans.py): a handle asks it on the
+        holds (shapes, strides, dtypes, devices, option values: core/calls.py): a handle asks it on the
         first call of a signature, and its repeated calls reuse the answer.
     """
 
@@ -72,6 +74,20 @@ class Capability:
     dtypes: Optional[Sequence[torch.dtype]] = None
     modules: Sequence[str] = ()
     predicate: Optional[Callable[..., Optional[str]]] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, str) or isinstance(self.modules, str):
+            raise ValueError("Capability(devices=..., modules=...) take sequences of names, not one string")
+        for device in self.devices:
+            if device not in DEVICE_TYPES:
+                raise ValueError(f"Capability(devices=...): {device!r} is not a device type; expected some of "
+                                 f"{', '.join(DEVICE_TYPES)}")
+        for dtype in self.dtypes or ():
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"Capability(dtypes=...): {dtype!r} is not a torch.dtype (torch.bfloat16, ...)")
+        for bound in (self.min_cc, self.max_cc):
+            if bound is not None and (len(tuple(bound)) != 2 or not all(isinstance(v, int) for v in bound)):
+                raise ValueError(f"Capability(min_cc/max_cc=...): {bound!r} is not a (major, minor) pair of ints")
 
     def accepts_device_type(self, device_type: str) -> bool:
         return device_reason(self.devices, device_type) is None

@@ -7,10 +7,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from liger_dispatch.core import autocast, call_plans, check_cache, discovery, selection, torch_ops
+from liger_dispatch.core import autocast, calls, selection, torch_ops
 from liger_dispatch.compose import vocab_parallel
 from liger_dispatch.capability import default_device, default_dtype
-from liger_dispatch.core.table import TABLE, Impl, reference_last
+from liger_dispatch.core.table import TABLE, Impl
 
 
 class Explanation:
@@ -32,22 +32,20 @@ class OpHandle:
     schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
     torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel", "_plans")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
         self.pinned = selection.parse_backends(backend)
+        selection.check_known(self.pinned, "backend= of dispatch.op")
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
         self._vocab_parallel = self._spec.vocab_parallel is not None  # a DTensor weight: its local slices
-        self._plans = call_plans.Plans(self._spec, self.pinned)
 
-    def _bound(self, args: tuple, kwargs: dict, tracing: bool = False):
+    def _bound(self, args: tuple, kwargs: dict):
+        """The bound arguments after the op's input checks (a call of a remembered signature skips this)."""
         a, args, kwargs = self._cast(self._spec.schema.bind(args, kwargs), args, kwargs)
-        if tracing:  # fake tensors, maybe symbolic sizes: the check is traced, not memoized
-            self._spec.check(a)
-        else:
-            check_cache.check(self._spec, a)
+        self._spec.check(a)
         return a, args, kwargs
 
     def _cast(self, a, args: tuple, kwargs: dict):
@@ -57,9 +55,10 @@ class OpHandle:
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
-            return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs, tracing=True)[0])
-        plan, signature = self._plans.lookup(args, kwargs)
-        if plan is None:
+            return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs)[0])
+        signature = calls.key(self._spec, self.pinned, args, kwargs)
+        plan = calls.get(signature)
+        if plan is None or plan.launch is None:
             return self._first_call(signature, args, kwargs)
         a = self._spec.schema.rebind(args, kwargs)
         if not autocast.enabled():
@@ -69,12 +68,12 @@ class OpHandle:
             return torch_ops.replay(self._spec, plan, a, args, kwargs)
 
     def _first_call(self, signature, args: tuple, kwargs: dict):
-        """The whole eager path; its plan is remembered for the next call of the same signature (call_plans.py)."""
+        """The whole eager path; its plan is remembered for the next call of the same signature (calls.py)."""
         a, args, kwargs = self._bound(args, kwargs)
         if self._vocab_parallel:
             a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
         plan = _autocast_off(a, torch_ops.plan, self._spec, self.pinned, a, args, kwargs)
-        self._plans.remember(signature, plan, getattr(a, "process_group", None))
+        calls.remember(signature, plan, getattr(a, "process_group", None))
         return _autocast_off(a, plan.launch, a, args, kwargs)
 
     def select(self, *args, **kwargs) -> Impl:
@@ -122,26 +121,17 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     """For every registered backend: None when it can serve `op_name` on device/dtype, else the reason."""
     name = TABLE.canonical(op_name)
     device = torch.device(device)
-    status: dict[str, Optional[str]] = {}
+    backends = registered_backends(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        return {b: "no CUDA device on this machine" for b in registered_backends(name)}
-    impls = TABLE.candidates(name)
-    for backend in registered_backends(name):
-        mine = [i for i in impls if i.backend == backend]
-        status[backend] = discovery.out_of_reach(backend, device.type)
-        if status[backend] is not None:
-            continue
-        if not mine:
-            status[backend] = TABLE.unavailable_reason(name, backend)
-            continue
-        reasons = [i.capability.static_reason(device, (dtype,)) for i in mine]
-        status[backend] = None if None in reasons else reasons[0]
-    return status
+        return {b: "no CUDA device on this machine" for b in backends}
+    status = selection.status(name, device, dtype)
+    return {b: status.get(b, TABLE.unavailable_reason(name, b)) for b in backends}
 
 
 def available_backends(op_name: str, device: Union[None, str, torch.device] = None,
                        dtype: Optional[torch.dtype] = None) -> list[str]:
-    """Backends that can serve the op on this device and dtype here, best first (reference last).
+    """Backends that can serve the op on this device and dtype here, best first (reference last); backend
+    preferences do not apply (this is what auto selection chooses from).
 
     device defaults to this machine's (CUDA when it has one, else the CPU), dtype to bf16 on CUDA and fp32 on the
     CPU. Asking about CUDA on a machine without it warns, and the answer is [].
@@ -152,6 +142,6 @@ def available_backends(op_name: str, device: Union[None, str, torch.device] = No
     if device.type == "cuda" and not torch.cuda.is_available():
         warnings.warn(f"available_backends({op_name!r}, device={str(device)!r}): this machine has no CUDA device, "
                       "so no backend is available there", stacklevel=2)
-    status = backend_status(name, device, dtype)
-    best_first = dict.fromkeys(i.backend for i in TABLE.candidates(name))  # candidates are sorted by priority
-    return reference_last([b for b in best_first if status.get(b, "") is None])
+        return []
+    choice = selection.resolve(name, (), device=device, dtypes=(dtype,), preferences_apply=False)
+    return list(dict.fromkeys(i.backend for i in choice.resolution.chain))

@@ -36,6 +36,19 @@ class FallbackWarning(UserWarning):
     """A requested (or better) backend could not serve a call, and another one did."""
 
 
+class RegistrationError(LigerDispatchError, ValueError):
+    """A registration that would silently replace another one, or names what does not exist."""
+
+
+class BackendError(LigerDispatchError):
+    """What an implementation returned does not match its op's contract (the message names the op, the backend and
+    what differs)."""
+
+
+class DoubleBackwardError(LigerDispatchError):
+    """A double backward (create_graph=True) through an op whose gradient is computed in the forward pass."""
+
+
 class SignatureError(LigerDispatchError, TypeError):
     """A registered implementation's signature does not match its op's schema."""
 

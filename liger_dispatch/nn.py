@@ -70,6 +70,20 @@ class FusedLinearKLDivLoss(_Dispatched):
         return self._call(student_input, student_weight, target, shift_labels)
 
 
+class FusedLinearLogProbs(_Dispatched):
+    """Per-token log-probs and entropy of the LM head `input @ weight.T (+ bias)` at `temperature` for the tokens in
+    `target`, without materializing the logits: `forward(...) -> (logprobs, entropy)`, fp32, the target's shape
+    (0 where the target is ignore_index). The RL / preference loss goes on top (liger_dispatch.integrations.rl)."""
+
+    def __init__(self, temperature: float = 1.0, ignore_index: int = -100,
+                 accum_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None, process_group=None):
+        super().__init__("fused_linear_logprobs", backend, temperature=temperature, ignore_index=ignore_index,
+                         accum_dtype=accum_dtype, process_group=process_group)
+
+    def forward(self, input, weight, target, bias=None):
+        return self._call(input, weight, target, bias)
+
+
 class LMHeadLoss(torch.nn.Module):
     """An LM head whose forward is a fused loss instead of logits: `forward(hidden, *loss_args)` is
     `loss(hidden, self.weight, *loss_args)` (with `bias=self.bias` for cross-entropy).

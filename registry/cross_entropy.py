@@ -51,22 +51,12 @@ def _options(a):
 def check_flce(a):
     _, vocab = heads.head("input", a.input, "weight", a.weight)
     c.tensor("target", a.target, integer=True)
-    if a.bias is not None:
-        c.tensor("bias", a.bias, ndim=1, floating=True)
-        c.dim_equals("bias", a.bias.shape[0], vocab, "length")
-        c.same_dtype("input", a.input, "bias", a.bias)
+    heads.bias("bias", a.bias, vocab, "input", a.input)
     c.same_device(input=a.input, weight=a.weight, target=a.target, bias=a.bias)
     c.choice("reduction", a.reduction, ("mean", "sum", "none"))
     _options(a)
     heads.row_labels("target", a.target, "input", a.input)
     heads.accum_dtype(a.accum_dtype)
-
-
-def flce_classes(a):
-    """The class-index check of the target: it needs the values, so it runs where the op runs. With a
-    process_group the weight is a slice: the vocab-parallel kernel checks against the whole vocabulary."""
-    if a.process_group is None:
-        c.class_indices("target", a.target, a.weight.shape[0], a.ignore_index)
 
 
 def check_ce_loss_and_grad(a):
@@ -117,7 +107,7 @@ def probe_flce(a):
 
 def fake_flce(a):
     shape = tuple(a.target.shape) if a.reduction == "none" else ()
-    return a.input.new_empty(shape, dtype=torch.float32)
+    return a.input.new_empty(shape, dtype=heads.loss_dtype(a.input))
 
 
 # ---------------------------------------------------------------- the composition
@@ -187,7 +177,7 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
 
     def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
                          lse_square_scale=0.0):
-        # the op's own class check saw one slice (flce_classes skips a vocab-parallel call)
+        # the op's own class check saw one slice (heads.target_classes skips a vocab-parallel call)
         c.class_indices("target", target, shard.total, ignore_index)
         stats = kernels("ce_vp_stats", logits, target, vocab_start=shard.start, ignore_index=ignore_index,
                         softcap=softcap)
@@ -225,7 +215,7 @@ OPS = (
            summary="vocab-parallel CE: a slice's row stats (lse, target logit, sum)"),
     OpSpec(VP_GRAD_SCHEMA, "kernel", check_ce_vp_grad, fake=heads.fake_in_place,
            summary="vocab-parallel CE: a slice's gradient from the global lse"),
-    OpSpec(FLCE_SCHEMA, "user", check_flce, value_check=flce_classes, aliases=("fused_linear_cross_entropy",),
+    OpSpec(FLCE_SCHEMA, "user", check_flce, value_check=heads.target_classes, aliases=("fused_linear_cross_entropy",),
            composed_of=("ce_loss_and_grad",), compose=compose_flce, probe=probe_flce,
            differentiable=("input", "weight", "bias"), autocast=("input", "weight", "bias"),
            impl_extra=f"{heads.NEED_GRADS}, {heads.ROW_WEIGHTS}", fake=fake_flce,

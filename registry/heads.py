@@ -38,6 +38,21 @@ def accum_dtype(value):
         raise InputError(f"accum_dtype must be None (the weight's dtype) or torch.float32, got {value!r}")
 
 
+def bias(name, value, vocab, input_name, input):
+    """An optional bias [V] of an LM head of V classes, in the input's dtype (as F.linear takes it)."""
+    if value is not None:
+        c.tensor(name, value, ndim=1, floating=True)
+        c.dim_equals(name, value.shape[0], vocab, "length")
+        c.same_dtype(input_name, input, name, value)
+
+
+def target_classes(a):
+    """The class-index check of an LM head's `target`: it needs the values, so it runs where the op runs. With a
+    process_group the weight is a slice: the composition checks against the whole vocabulary."""
+    if a.process_group is None:
+        c.class_indices("target", a.target, a.weight.shape[0], a.ignore_index)
+
+
 def labels(name, value, n):
     """Optional labels of a [C, V] chunk: an integer tensor [C]."""
     if value is None:
@@ -103,13 +118,17 @@ def rows_spec(value):
     return None if value is None else TensorSpec((value.numel(),), value.dtype)
 
 
+def loss_dtype(t) -> torch.dtype:
+    """What a loss computed from t comes out in: fp32, float64 for float64 t (as the reference computes)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def fake_rows(a, *columns: int):
-    """A kernel-level op's per-row output [C, *columns], fp32 (float64 for float64 logits, as the reference
-    computes): the per-row loss, or a pass's per-row statistics."""
+    """A kernel-level op's per-row output [C, *columns] in loss_dtype: the per-row loss, or a pass's per-row
+    statistics."""
     chunk = getattr(a, "logits", None)
     chunk = a.student_logits if chunk is None else chunk
-    dtype = torch.float64 if chunk.dtype == torch.float64 else torch.float32
-    return chunk.new_empty(chunk.shape[0], *columns, dtype=dtype)
+    return chunk.new_empty(chunk.shape[0], *columns, dtype=loss_dtype(chunk))
 
 
 def fake_stats(columns):
@@ -123,4 +142,4 @@ def fake_in_place(a):
 
 
 def fake_scalar_loss(a):
-    return a.student_input.new_empty((), dtype=torch.float32)
+    return a.student_input.new_empty((), dtype=loss_dtype(a.student_input))

@@ -100,7 +100,8 @@ def probe_mhc_coeffs(a):
 
 
 def _fp32(like, *shape):
-    return like.new_empty(shape, dtype=torch.float32)
+    """fp32, float64 for a float64 `like` (as the reference computes)."""
+    return like.new_empty(shape, dtype=torch.float64 if like.dtype == torch.float64 else torch.float32)
 
 
 def fake_mhc_coeff_fwd(a):

@@ -6,31 +6,23 @@
         them in place by grad_loss (almost always 1: the kernel reads it on the device and returns at once then)
 
 They are not the user's to pin: selection takes the best backend that serves the device, whatever LIGER_BACKEND
-says (OpSpec.internal), and `run` remembers it per (op, device).
+says (OpSpec.internal).
 """
 
 from __future__ import annotations
 
-from liger_dispatch.core import selection
+from liger_dispatch.core import calls
 from liger_dispatch.core.table import TABLE, OpSpec
 from liger_dispatch.registry import checks as c
 
 LABELS_SCHEMA = "check_class_indices(Tensor target, *, int vocab, int ignore_index, str name='target') -> ()"
 SCALE_SCHEMA = "scale_grad(Tensor(a!) grad, Tensor grad_loss) -> ()"
 
-_LIMIT = 64
-_served: dict = {}  # (op, device, table version, selection generation) -> the implementation
 
 
 def run(op: str, *args, **kwargs) -> None:
-    """op's selected implementation on these arguments; the first argument's device picks it."""
-    key = (op, args[0].device, TABLE.version, selection.generation)
-    fn = _served.get(key)
-    if fn is None:
-        if len(_served) >= _LIMIT:
-            _served.clear()
-        fn = _served[key] = selection.select(op, (), args, kwargs).fn
-    fn(*args, **kwargs)
+    """op's selected implementation on these arguments (its plan: calls.py)."""
+    calls.kernel(TABLE.spec(op), (), args, kwargs)(*args, **kwargs)
 
 
 def check_labels(a):

@@ -2,6 +2,8 @@
 
 import torch
 
+from liger_dispatch.testing import FLCE_OPTIONS as FLCE_CASES, assert_rel_close, rel_err  # noqa: F401 (one source)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100
 # gradient tolerances: fp32 math on logits up to ~30 (exp amplifies their rounding), then one rounding to the dtype
@@ -25,16 +27,6 @@ def inputs(default_rows, default_vocab):
 
     return logits, labels
 
-
-# flce options: every reduction, and each term of the loss alone and together
-FLCE_CASES = {
-    "mean": dict(),
-    "sum": dict(reduction="sum"),
-    "none": dict(reduction="none"),
-    "smoothing": dict(label_smoothing=0.1),
-    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
-    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
-}
 
 GRAD_SCALE_FORMS = ("none", "0-d", "per-row", "expanded", "strided")
 
@@ -72,20 +64,3 @@ def check_rows_relative(loss, grad, expected_loss, expected_grad, tol=5e-3):
     torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-4, atol=1e-4)
     err = (grad.double() - expected_grad).norm(dim=1)
     assert (err <= tol * expected_grad.norm(dim=1)).all(), err.max()
-
-
-def rel_err(got, want) -> float:
-    """Relative Frobenius error of got against want (got's norm when want is all zero), in float64."""
-    got, want = got.detach().double(), want.detach().double()
-    scale = want.norm()
-    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
-
-
-def assert_rel_close(name, got, want, tol):
-    """Finite, same shape, and within tol relative error, plus twice the truth's own rounding to got's dtype
-    (a value barely representable in it, as a ~1e-9 fp16 gradient, may round to the other neighbour)."""
-    assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    err = rel_err(got, want)
-    limit = tol + 2 * rel_err(want.to(got.dtype), want)
-    assert err <= limit, f"{name}: relative error {err:.2e} > {limit:.1e}"

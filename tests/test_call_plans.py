@@ -1,4 +1,4 @@
-"""A handle's repeated call reuses the plan of its signature (call_plans.py): it skips binding, the input checks and
+"""A handle's repeated call reuses the plan of its signature (core/calls.py): it skips binding, the input checks and
 selection, yet still honours a backend preference changed between calls, runs the label check on every call, replays
 a fallback's warning or strict error, and gives the first call's results and gradients."""
 
@@ -9,7 +9,7 @@ import torch
 
 import liger_dispatch as ld
 from liger_dispatch import dispatch, settings
-from liger_dispatch.core import selection, torch_ops
+from liger_dispatch.core import calls, selection, torch_ops
 from liger_dispatch.errors import BackendUnavailableError, FallbackWarning, InputError
 from liger_dispatch.backends.reference import kl_div as reference_kl_div
 
@@ -158,9 +158,9 @@ def test_unhashable_options_and_vocab_parallel_calls_are_not_remembered(planned)
     args = flce_args()
     for _ in range(2):
         handle(*args.values(), label_smoothing=0.0)
-    assert handle._plans.lookup(tuple(args.values()), dict(label_smoothing=[0.0])) == (None, None)
-    assert handle._plans.remember(("key",), object(), process_group="group") is None
-    assert ("key",) not in handle._plans._plans and planned == ["flce"]
+    assert calls.key(handle._spec, handle.pinned, tuple(args.values()), dict(label_smoothing=[0.0])) is None
+    assert calls.remember(("key",), object(), process_group="group") is None
+    assert ("key",) not in calls._plans and planned == ["flce"]
 
 
 def test_under_a_functorch_transform_the_function_is_applied_as_torch_applies_it():

@@ -250,6 +250,29 @@ def test_logprobs_rows_gradcheck():
     torch.testing.assert_close(ent[[0, 2, 3]], -(p * p.log()).sum(-1)[[0, 2, 3]])
 
 
+@pytest.mark.parametrize("chunk_rows", ["2", "64"])
+def test_user_op_reference_float64_is_the_spec(chunk_rows, monkeypatch):
+    """fused_linear_logprobs on the reference kernels in float64 (2 rows a chunk: the first kept, the others
+    recomputed; 64: all kept) against formulas.logprobs_rows on the logits (gradchecked above): values, and the
+    gradients of random upstreams on both outputs and on each alone, to float64 rounding. Its backward overwrites
+    the logits it kept, so a second backward through one call (what gradcheck does) is refused."""
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", chunk_rows)
+    op = dispatch.op("fused_linear_logprobs", backend="reference")
+    leaves = [torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((5, 4), (7, 4), (7,))]
+    target = torch.tensor([3, IGNORE, 0, 6, 2])
+    g, h = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    for used in ((0, 1), (0,), (1,)):
+        got = op(*leaves[:2], target, leaves[2], temperature=0.7, ignore_index=IGNORE)
+        want = formulas.logprobs_rows(torch.nn.functional.linear(*leaves), target, temperature=0.7,
+                                      ignore_index=IGNORE)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        total = [sum((o * u).sum() for i, (o, u) in enumerate(zip(out, (g, h))) if i in used) for out in (got, want)]
+        grads = [torch.autograd.grad(t, leaves, retain_graph=True) for t in total]
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="fused_linear_logprobs's backward overwrites .* backpropagated twice"):
+        torch.autograd.grad(total[0], leaves)
+
+
 def test_reference_keeps_float64_and_its_closed_form_is_autograd():
     x = torch.randn(5, 9, dtype=torch.float64) * 3
     target = random_targets(5, 9, ignored=(2,)).cpu()

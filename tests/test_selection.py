@@ -269,12 +269,12 @@ def test_fallback_warnings_point_at_the_callers_line(monkeypatch):
 
 
 def test_a_lazy_import_leaves_its_resolution_memoized(isolated_table, tmp_path, monkeypatch):
-    """The first call imports a backend module, which registers (TABLE.version moves during the resolution): the
-    resolution is stored under the version the next call looks it up with, so it is computed once."""
+    """The first call imports a backend module, which registers (the op's version moves during the resolution): the
+    plan is stored under the version the next call looks it up with, so it is resolved once."""
     lazy_backend(isolated_table, tmp_path, monkeypatch, "lazy_op", "lazy")
     resolved = []
-    resolve = selection.resolve_static
-    monkeypatch.setattr(selection, "resolve_static", lambda *a: resolved.append(a) or resolve(*a))
+    resolve = selection._static
+    monkeypatch.setattr(selection, "_static", lambda *a: resolved.append(a) or resolve(*a))
     handle = dispatch.op("lazy_op")
     assert [handle(torch.ones(1)) for _ in range(3)] == ["lazy"] * 3
     assert len(resolved) == 1

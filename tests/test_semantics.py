@@ -30,6 +30,7 @@ ARGS = {
     "flce": lambda: (torch.randn(N, H), torch.randn(V, H), _labels(N)),
     "fused_linear_jsd": lambda: (torch.randn(N, H), torch.randn(V, H), torch.randn(N, H), torch.randn(V, H)),
     "fused_linear_kl_div": lambda: (torch.randn(N, H), torch.randn(V, H), torch.softmax(torch.randn(N, V), -1)),
+    "fused_linear_logprobs": lambda: (torch.randn(N, H), torch.randn(V, H), _labels(N)),
     "mhc_coeffs": lambda: (torch.randn(3, HC, C), *_mhc_params()),
     "mhc_coeff_fwd": lambda: (torch.randn(3, HC * C), *_mhc_params()),
     "ce_loss_and_grad": lambda: (torch.randn(N, V), _labels(N)),
@@ -90,6 +91,8 @@ def test_labels_are_one_per_row_of_the_input_not_only_the_same_count():
         call("fused_linear_kl_div", x, w, torch.softmax(torch.randn(N, V), -1), _labels(2, 4))
     with pytest.raises(InputError, match=r"^target: leading shape \(all but the last dim\) is \[2, 4\], expected \[8\]"):
         call("fused_linear_kl_div", x, w, torch.softmax(torch.randn(2, 4, V), -1))
+    with pytest.raises(InputError, match=r"^target: shape is \[2, 4\], expected \[8\]"):
+        call("fused_linear_logprobs", x, w, _labels(2, 4))
     with pytest.raises(InputError, match=r"^labels must have 1 dimension"):  # a kernel-level chunk: [C]
         call("jsd_loss_and_grad", torch.randn(N, V), torch.randn(N, V), _labels(2, 4))
 
@@ -121,6 +124,8 @@ RAW = [
      r"^bias has dtype torch.float64 but input has torch.float32"),
     ("flce", lambda: (torch.randn(N, H), torch.randn(V, H), _labels(N), torch.randn(V, dtype=torch.bfloat16)), {},
      r"^bias has dtype torch.bfloat16"),
+    ("fused_linear_logprobs", lambda: (torch.randn(N, H), torch.randn(V, H), _labels(N), torch.randn(V).half()), {},
+     r"^bias has dtype torch.float16 but input has torch.float32"),
     ("flce", lambda: (torch.randn(N, 0), torch.randn(V, 0), _labels(N)), {},
      r"^input has shape \(8, 0\): its hidden size \(last dim\) is 0"),
     ("fused_linear_jsd", lambda: (torch.randn(N, 0), torch.randn(V, 0), torch.randn(N, 0), torch.randn(V, 0)), {},

@@ -37,6 +37,11 @@ def loss_inputs(op, device="cpu", dtype=torch.float32):
     return x, w, torch.softmax(t(N, V), -1), labels
 
 
+def logprobs_inputs(device="cpu", dtype=torch.float32, bias=True):
+    x, w, labels, b = loss_inputs("flce", device, dtype)
+    return (x, w, labels, b) if bias else (x, w, labels)
+
+
 def mhc_inputs(device="cpu"):
     n = HC * HC + 2 * HC
     x = torch.randn(2, 3, HC, C, device=device, requires_grad=True)
@@ -115,6 +120,19 @@ def test_opcheck_losses(op):
         _opcheck(op, (*args, torch.rand(N)), dict(reduction="sum", need_grads=[True, True, True], backend="reference"))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_opcheck_logprobs(bias, monkeypatch):
+    """With a bias and without (the dispatcher drops it), all rows' logits kept, and 2 rows a chunk (the others'
+    recomputed in the backward); the backward op too."""
+    args = logprobs_inputs(bias=bias)
+    _opcheck("fused_linear_logprobs", args, dict(temperature=0.7, backend="reference"))
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", "2")
+    _opcheck("fused_linear_logprobs", args, dict(backend="reference"))
+    detached = [a.detach() for a in args] + [None] * (4 - len(args))
+    _, _, stats, kept = torch.ops.liger_dispatch.fused_linear_logprobs(*detached, temperature=0.7)
+    _opcheck("fused_linear_logprobs_backward", (*detached, stats, kept, torch.randn(N), None), dict(temperature=0.7))
+
+
 def test_opcheck_kernel_level_ops():
     logits, labels = torch.randn(N, V), torch.randint(0, V, (N,))
     _opcheck("ce_loss_and_grad", (logits.clone(), labels), dict(grad_scale=torch.rand(N), label_smoothing=0.1))
@@ -163,10 +181,22 @@ def test_compile_fullgraph_mhc(backend):
     compiled_equals_eager(lambda *a: handle(*a, tmax=3), mhc_inputs())
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compile_fullgraph_logprobs(backend):
+    """Both outputs; the entropy unused; no bias."""
+    if backend not in backends_here("fused_linear_logprobs"):
+        pytest.skip(f"{backend} cannot run fused_linear_logprobs here")
+    handle = dispatch.op("fused_linear_logprobs", backend=backend)
+    compiled_equals_eager(lambda *a: handle(*a, temperature=0.7), logprobs_inputs())
+    compiled_equals_eager(lambda *a: handle(*a)[0], logprobs_inputs(bias=False))
+
+
 def test_compile_fullgraph_nn_modules():
     loss = ld.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1)
     x, w, y, bias = loss_inputs("flce")
     compiled_equals_eager(lambda x, w: loss(x, w, y, bias), (x, w))
+    logprobs = ld.nn.FusedLinearLogProbs(temperature=0.9)
+    compiled_equals_eager(lambda x, w: logprobs(x, w, y, bias), (x, w))
     coeffs = ld.nn.MHCCoeffs(HC, C, tmax=3)
     compiled_equals_eager(lambda x: coeffs(x), (mhc_inputs()[0],))
 
@@ -195,6 +225,18 @@ def test_preference_is_read_when_the_compiled_op_runs(isolated_table):
     calls.clear()
     pinned(*args)
     assert calls
+
+
+def test_autocast_logprobs():
+    x = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    y = torch.randint(0, V, (N,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = dispatch.op("fused_linear_logprobs")(x, w, y)
+        ref = torch.log_softmax(torch.nn.functional.linear(x, w).float(), -1).gather(1, y[:, None])[:, 0]
+    (lp.sum() + ent.sum()).backward()
+    assert lp.dtype == torch.float32 and w.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert_rel_close("autocast logprobs", lp, ref, 1e-2)
 
 
 def test_backward_scales_by_grad_loss_and_refuses_a_second_backward():
@@ -232,6 +274,10 @@ def gpu_calls():
             handle = dispatch.op(op, backend=backend)
             yield f"{op}-{backend}", (lambda h=handle, o=op: lambda *a: h(*a, **LOSSES[o]))(), \
                 lambda o=op: loss_inputs(o, "cuda", torch.bfloat16)
+    for backend in gpu_backends("fused_linear_logprobs"):
+        handle = dispatch.op("fused_linear_logprobs", backend=backend)
+        yield f"fused_linear_logprobs-{backend}", (lambda h=handle: lambda *a: h(*a, temperature=0.7))(), \
+            lambda: logprobs_inputs("cuda", torch.bfloat16)
     for backend in gpu_backends("mhc_coeffs"):
         handle = dispatch.op("mhc_coeffs", backend=backend)
         yield f"mhc_coeffs-{backend}", (lambda h=handle: lambda *a: h(*a, tmax=3))(), lambda: mhc_inputs("cuda")
@@ -259,7 +305,7 @@ def test_gpu_hot_path_never_syncs():
 def test_gpu_backward_scales_by_grad_loss():
     """grad_loss != 1 takes the scale kernel's other branch (loss / accumulation steps, say)."""
     for name, fn, make in gpu_calls():
-        if name.startswith("mhc"):
+        if name.startswith(("mhc", "fused_linear_logprobs")):  # two outputs: not a loss to scale
             continue
         args = make()
         leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]

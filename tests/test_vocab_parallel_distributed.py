@@ -251,6 +251,33 @@ def distill_modules_all_ignored(group, backend):
             call=lambda process_group, temperature, **kw: kl(**kw))
 
 
+# ---------------------------------------------------------------- fused_linear_logprobs
+
+
+def logprobs_case(group, backend, sizes=SIZES, chunk_rows=None, used=(0, 1), dtype=torch.float32, tol=TOL,
+                  grad_tol=TOL):
+    """(logprobs, entropy) on this rank's slice of weight and bias against the single-process op: both outputs equal
+    on every rank, random upstreams on both (or one), input.grad whole, weight.grad / bias.grad this slice's."""
+    rank = dist.get_rank(group)
+    t = flce_inputs(bias=True)
+    t = {k: v.to(dtype) if v.is_floating_point() else v for k, v in t.items()}
+    sliced = {"weight": 0, "bias": 0}
+    mine = {k: leaf(slice_of(v, sliced[k], sizes, rank) if k in sliced else v, k != "target") for k, v in t.items()}
+    whole = {k: leaf(v, k != "target") for k, v in t.items()}
+    upstream = [torch.randn(N), torch.randn(N)]
+    with env(**({"LIGER_CHUNK_ROWS": chunk_rows} if chunk_rows else {})):
+        got = dispatch.op("fused_linear_logprobs", backend=backend)(**mine, process_group=group, temperature=0.7)
+        want = dispatch.op("fused_linear_logprobs", backend=backend)(**whole, temperature=0.7)
+        for out in (got, want):
+            sum((out[i] * upstream[i]).sum() for i in used).backward()
+    for i, name in enumerate(("logprobs", "entropy")):
+        assert_rel_close(name, got[i], want[i], tol)
+        same_on_every_rank(name, got[i], group)
+    assert_rel_close("input grad", mine["input"].grad, whole["input"].grad, grad_tol)
+    for k in sliced:
+        assert_rel_close(f"{k} grad", mine[k].grad, slice_of(whole[k].grad, 0, sizes, rank), grad_tol)
+
+
 # ---------------------------------------------------------------- DTensor weights
 
 
@@ -274,6 +301,8 @@ def dtensor_ops(group, backend):
         whole = {k: leaf(v, k in grads) if v is not None else None for k, v in tensors.items()}
         got = dispatch.op(op, backend=backend)(**placed, **options)
         want = dispatch.op(op, backend=backend)(**whole, **options)
+        if isinstance(got, tuple):  # logprobs and entropy: a weighted sum of both
+            got, want = (out[0].sum() + 0.5 * out[1].sum() for out in (got, want))
         got.backward()
         want.backward()
         assert not isinstance(got, DTensor)
@@ -289,6 +318,10 @@ def dtensor_ops(group, backend):
     check("flce", t, dict(input=replicated(t["input"], True), weight=sharded(t["weight"], 0, True),
                           target=t["target"], bias=sharded(t["bias"], 0, True)),
           {"input": None, "weight": 0, "bias": 0}, label_smoothing=0.1)
+    t = flce_inputs(bias=True)
+    check("fused_linear_logprobs", t, dict(input=replicated(t["input"], True), weight=sharded(t["weight"], 0, True),
+                                           target=t["target"], bias=sharded(t["bias"], 0, True)),
+          {"input": None, "weight": 0, "bias": 0}, temperature=0.7)
     t = jsd_inputs()
     check("fused_linear_jsd", t, dict(student_input=replicated(t["student_input"], True),
                                       student_weight=sharded(t["student_weight"], 0, True),
@@ -429,6 +462,10 @@ def cases(device="cpu", tested=TESTED):
         add("kl-log-target", kl_case, reduction="batchmean", log_target=True, zeros=False, temperature=2.0)
         add("kl-eps", kl_case, reduction="sum", log_target=False, zeros=True, temperature=0.5, eps=1e-3)
         add("distill-modules-all-ignored", distill_modules_all_ignored)
+        add("logprobs", logprobs_case)
+        add("logprobs-chunked-no-entropy-grad", logprobs_case, chunk_rows=3, used=(0,))
+        add("logprobs-empty-slice-entropy-grad", logprobs_case, sizes=(0, V), used=(1,))
+        add("logprobs-fp16", logprobs_case, chunk_rows=3, dtype=torch.float16, tol=1e-3, grad_tol=2e-2)
         add("dtensor", dtensor_ops)
         for loss_name in ("flce", "jsd", "kl"):
             add(f"fsdp2-{loss_name}", fsdp_trains, loss_name=loss_name)
@@ -469,6 +506,23 @@ def test_compiled_with_a_process_group():
             loss.backward()
             results.append((loss, x.grad, w.grad, b.grad))
     for name, got, want in zip(("loss", "input grad", "weight grad", "bias grad"), *results[::-1]):
+        assert_rel_close(name, got, want, 1e-6)
+
+
+def test_compiled_logprobs_with_a_process_group():
+    """The same for fused_linear_logprobs: its backward op takes the group's name too."""
+    torch.manual_seed(0)
+    tensors = flce_inputs(bias=True)
+    handle = dispatch.op("fused_linear_logprobs", backend="reference")
+    upstream = torch.randn(2, N)
+    with group_of_one("gloo") as group:
+        results = []
+        for fn in (handle, torch.compile(handle, fullgraph=True)):
+            x, w, b = (leaf(tensors[k], True) for k in ("input", "weight", "bias"))
+            lp, ent = fn(x, w, tensors["target"], b, temperature=0.7, process_group=group)
+            ((lp * upstream[0]).sum() + (ent * upstream[1]).sum()).backward()
+            results.append((lp, ent, x.grad, w.grad, b.grad))
+    for name, got, want in zip(("logprobs", "entropy", "input grad", "weight grad", "bias grad"), *results[::-1]):
         assert_rel_close(name, got, want, 1e-6)
 
 

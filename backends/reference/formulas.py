@@ -109,7 +109,12 @@ def kl_div_rows(student_logits, target, labels, *, ignore_index=-100, temperatur
 
 def logprobs_rows(logits, target, *, temperature=1.0, ignore_index=-100):
     """(logprobs, entropy) per row of logits [C, V], the spec: with z = logits / T and lp = log_softmax(z),
-    logprobs = lp[target] and entropy = -sum_j p_j lp_j. Ignored rows: 0 in both, no gradient."""
+    logprobs = lp[target] and entropy = -sum_j p_j lp_j. Ignored rows: 0 in both, no gradient.
+
+    With upstream gradients g (on logprobs) and h (on entropy), the gradient over the logits is
+        d/d logits_j = (g (1[j = target] - p_j) - h p_j (lp_j + entropy)) / T,
+    lp_j + entropy = z_j - mean with mean = sum_k p_k z_k (logprobs_grad computes it from the statistics); through
+    the head z = (x W^T + b) / T: dX = dz W, dW = dz^T X, db = sum_rows dz."""
     z = logits.to(compute_dtype(logits)) / temperature
     valid = target != ignore_index
     lp = torch.log_softmax(z, dim=-1)
@@ -229,6 +234,13 @@ def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None
     if reduction == "sum":
         return rows.sum()
     raise ValueError(f"fused_linear_kl_div: unknown reduction {reduction!r} (\"none\" is not supported)")
+
+
+def fused_linear_logprobs(input, weight, target, bias=None, *, temperature=1.0, ignore_index=-100):
+    """(logprobs, entropy) of the LM head input @ weight.T + bias for the given tokens, the target's shape."""
+    logits = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+    logprobs, entropy = logprobs_rows(logits, target.reshape(-1), temperature=temperature, ignore_index=ignore_index)
+    return logprobs.reshape(target.shape), entropy.reshape(target.shape)
 
 
 # ---------------------------------------------------------------- mHC coefficients

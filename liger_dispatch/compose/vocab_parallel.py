@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from liger_dispatch.core import selection
+from liger_dispatch.core import calls
 from liger_dispatch.errors import InputError
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE
@@ -73,7 +73,8 @@ def serving(spec, impl, a: Args, pinned: tuple[str, ...]) -> Callable:
     the handle pinned it, else of the backend selection picks for them (use_backend and LIGER_BACKEND hold)."""
     if getattr(a, "process_group", None) is None:
         return impl.fn
-    return functools.partial(_driver, spec, _Kernels(impl.backend if pinned else None))
+    kernels = _Kernels(impl.backend if pinned else None)
+    return _DriverWithBackward(spec, kernels) if spec.saved else functools.partial(_driver, spec, kernels)
 
 
 def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
@@ -141,10 +142,14 @@ class VocabShard:
 
     def combine(self, stats: torch.Tensor, lse_columns: int) -> torch.Tensor:
         """The global [C, k] statistics from this rank's [C, k]: all-gathered, then combined."""
+        return combine(self.gather(stats), lse_columns)
+
+    def gather(self, stats: torch.Tensor) -> torch.Tensor:
+        """Every rank's [C, k] statistics as [W, C, k], in rank order (one all-gather)."""
         world = dist.get_world_size(self.group)
         gathered = stats.new_empty((world * stats.shape[0], *stats.shape[1:]))  # gloo takes the concatenated form
         _all_gather(gathered, stats.contiguous(), group=self.group)
-        return combine(gathered.view(world, *stats.shape), lse_columns)
+        return gathered.view(world, *stats.shape)
 
     def sum_over_ranks(self, t: torch.Tensor) -> None:
         """t <- its sum over the ranks, in place (t contiguous)."""
@@ -183,7 +188,8 @@ class _Kernels:
         fn = self._fns.get(op)
         if fn is None:
             implements = any(impl.backend == self.backend for impl in TABLE.candidates(op))
-            fn = self._fns[op] = selection.select(op, (self.backend,) if implements else (), args, kwargs).fn
+            pinned = (self.backend,) if implements else ()
+            fn = self._fns[op] = calls.kernel(TABLE.spec(op), pinned, args, kwargs)
         return fn(*args, **kwargs)
 
 
@@ -246,8 +252,29 @@ class _DTensorLayout:
                          "too: read the weight inside the forward (liger_dispatch.nn.LMHeadLoss)")
 
 
-def _driver(spec, kernels: _Kernels, *args, process_group, **options):
-    """A user-level loss over this rank's slice: its composition of the family's kernel over the slice."""
+def _composed(spec, kernels: _Kernels, process_group, args: tuple, options: dict):
+    """The op's composition of the family's kernel(s) over this rank's slice (VocabParallel.kernel may give several:
+    one per op of composed_of)."""
     weight = args[1] if len(args) > 1 else options[spec.vocab_parallel.weight]
     shard = VocabShard.of(process_group, weight)
-    return spec.compose(spec.vocab_parallel.kernel(shard, kernels), shard)(*args, **options)
+    fns = spec.vocab_parallel.kernel(shard, kernels)
+    return spec.compose(*(fns if isinstance(fns, tuple) else (fns,)), shard)
+
+
+def _driver(spec, kernels: _Kernels, *args, process_group, **options):
+    """A user-level loss over this rank's slice."""
+    return _composed(spec, kernels, process_group, args, options)(*args, **options)
+
+
+class _DriverWithBackward:
+    """An op with a backward of its own (OpSpec.saved) over this rank's slice: both passes on the composition made
+    for the slice (the backward makes it again: a process_group's slice sizes are exchanged once more)."""
+
+    def __init__(self, spec, kernels: _Kernels):
+        self.spec, self.kernels = spec, kernels
+
+    def __call__(self, *args, process_group, **options):
+        return _composed(self.spec, self.kernels, process_group, args, options)(*args, **options)
+
+    def backward(self, *args, process_group, **options):
+        return _composed(self.spec, self.kernels, process_group, args, options).backward(*args, **options)

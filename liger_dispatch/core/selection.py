@@ -1,4 +1,5 @@
-"""Which implementation serves a call: preferences, capability, fallback, memoization.
+"""Which implementation serves a call: preferences, capability, fallback, in one function, `resolve`, that every
+caller asks (calls, explain, available_backends, the CLI summary, the vocab-parallel kernels, compiled calls).
 
 Order, first source that is set wins: `backend=` on the handle; `use_backend(...)`;
 LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable, after the backends a tuned
@@ -6,7 +7,8 @@ table for this device measured fastest: tuned.py).
 A requested backend that cannot serve yields to the next preference and finally to the reference,
 with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error. In auto mode the
 reference is no fallback when no other backend accepts the call's device type at all (CPU tensors on a
-machine without the Triton interpreter, say).
+machine without the Triton interpreter, say). A capability predicate that raises turns its implementation down
+with the exception as the reason. What a call of one signature resolved to is remembered by calls.py, not here.
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ from liger_dispatch.core.table import REFERENCE, TABLE, Impl, reference_last
 
 _local = threading.local()
 _warned: set[tuple[str, str, str]] = set()
-_memo: dict[tuple, "Resolution"] = {}
-_MEMO_LIMIT = 4096
-generation = 0  # bumped by reset(): what was remembered of earlier selections (call_plans.py) starts over
+generation = 0  # bumped by reset(): the plans remembered of earlier selections (calls.py) start over
 
 
 def parse_backends(value) -> tuple[str, ...]:
@@ -120,7 +120,7 @@ class Resolution:
     tuned: Optional[tuned.Entry] = None  # the measured entry that ordered an auto chain
 
 
-def _check_known(names: Sequence[str], source: str) -> None:
+def check_known(names: Sequence[str], source: str) -> None:
     known = TABLE.backend_names()
     for name in names:
         if name not in known:
@@ -128,14 +128,19 @@ def _check_known(names: Sequence[str], source: str) -> None:
                 f"unknown backend '{name}' (from {source}); registered backends: {', '.join(known)}")
 
 
-def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple,
-                   tuned_key=None) -> Resolution:
-    """The memoizable part of selection: everything that depends only on the call's signature (and, where a
-    tuned table applies, its shape bucket: tuned_key)."""
-    source, requested = preference(op, pinned)
-    _check_known(requested, source)
+def _unreachable(device: torch.device) -> dict[str, str]:
+    return {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
+
+
+def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple, tuned_key,
+            preferences_apply: bool) -> Resolution:
+    """Everything that depends only on the call's signature: the statically capable implementations in the order
+    they are tried (the preference's, or auto's: a tuned table's measured order, then priority), and what was
+    turned down and why."""
+    source, requested = preference(op, pinned) if preferences_apply else ("auto", ())
+    check_known(requested, source)
     settings.check_all()
-    unreachable = {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
+    unreachable = _unreachable(device)
     reachable = [b for b in TABLE.declaring_backends(op) if b not in unreachable]
     TABLE.discover(op, reachable)  # imports backend modules, which register: TABLE.version moves
     version = TABLE.version
@@ -166,26 +171,97 @@ def resolve_static(op: str, pinned: tuple[str, ...], device: torch.device, dtype
 
 def preferences(op: str, pinned: tuple[str, ...]) -> tuple:
     """Where a call's backend preference is read from, as read now: (pinned, use_backend's innermost,
-    LIGER_BACKEND_<OP>, LIGER_BACKEND); a memo key's part (unparsed: preference() parses the one that wins)."""
+    LIGER_BACKEND_<OP>, LIGER_BACKEND); a cache key's part (unparsed: preference() parses the one that wins)."""
+    if TABLE.spec(op).internal:
+        return ()
     stack = getattr(_local, "stack", None)
     return pinned, stack[-1] if stack else None, getenv(env_key(op)), getenv("LIGER_BACKEND")
 
 
-def _resolution(op: str, pinned: tuple[str, ...], args, kwargs) -> Resolution:
-    device, dtypes = call_signature(args, kwargs)
-    preferred = preferences(op, pinned)
-    # the tables order auto selection only: a call with a preference skips the bucket lookup
-    tuned_key = None if any(preferred) else tuned.lookup_key(op, device, args, kwargs)
-    key = (op, *preferred, device, dtypes, tuned_key, TABLE.version)
-    res = _memo.get(key)
-    if res is None:
-        res = resolve_static(op, pinned, device, _floating(dtypes), tuned_key)
-        if len(_memo) >= _MEMO_LIMIT:
-            _memo.clear()
-        # stored under the version its candidates were read at: after this call's discovery, which may have
-        # registered backends (the key's version was read before it), so the next call finds it
-        _memo[(*key[:-1], res.version)] = res
-    return res
+@dataclass(frozen=True)
+class Choice:
+    """What `resolve` found: the implementation that serves (None: nothing can), the statically resolved chain,
+    and the implementations a shape predicate turned down for this call."""
+
+    resolution: Resolution
+    impl: Optional[Impl]
+    late: tuple[Rejection, ...] = ()
+    device: Optional[torch.device] = None
+    dtypes: tuple = ()
+    tuned_key: object = None
+
+    @property
+    def rejected(self) -> tuple[Rejection, ...]:
+        return (*self.resolution.rejected, *self.late)
+
+    @property
+    def is_fallback(self) -> bool:
+        """A requested backend did not serve, or (auto) the reference serves although another backend accepts
+        this device type."""
+        res = self.resolution
+        if self.impl is None:
+            return False
+        if res.requested:
+            return self.impl.backend != res.requested[0]
+        return self.impl.backend == REFERENCE and any(_better(r) for r in self.rejected)
+
+    def fallback(self) -> Optional[Callable[[], None]]:
+        """What warns about this fallback (once per reason) or raises under LIGER_STRICT, uncalled; None when the
+        implementation is the one asked for."""
+        if not self.is_fallback:
+            return None
+        return functools.partial(_fallback, self.resolution, self.impl, self.rejected)
+
+    def status(self) -> dict[str, Optional[str]]:
+        """For every backend considered: None when it can serve (statically), else why not."""
+        status: dict[str, Optional[str]] = {i.backend: None for i in self.resolution.chain}
+        for r in self.resolution.rejected:
+            status.setdefault(r.backend, r.reason)
+        return status
+
+
+def _judge(impl: Impl, args, kwargs) -> Optional[str]:
+    """Why impl's shape predicate turns this call down, or None; a predicate that raises turns it down."""
+    predicate = impl.capability.predicate
+    if predicate is None:
+        return None
+    try:
+        return predicate(*args, **kwargs)
+    except Exception as exc:  # a broken predicate rejects its own implementation, never the call
+        return f"its capability predicate raised {type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device: Optional[torch.device] = None,
+            dtypes: Optional[tuple] = None, preferences_apply: bool = True) -> Choice:
+    """The one selection function. With a call's args/kwargs: what serves that call (shape predicates judged).
+    Without them: what serves calls on `device` with floating `dtypes` (the predicates not asked)."""
+    call = args is not None
+    if call:
+        device, all_dtypes = call_signature(args, kwargs)
+        dtypes = _floating(all_dtypes)
+        tuned_key = None if (preferences_apply and any(preferences(op, pinned))) else tuned.lookup_key(
+            op, device, args, kwargs)
+    else:
+        dtypes, tuned_key = tuple(dtypes or ()), None
+    res = _static(op, pinned, device, dtypes, tuned_key, preferences_apply)
+    late: list[Rejection] = []
+    chosen = None
+    for impl in res.chain:  # usually the first serves
+        reason = _judge(impl, args, kwargs) if call else None
+        if reason is None:
+            chosen = impl
+            break
+        late.append(Rejection(impl.backend, impl.variant, reason))
+    return Choice(res, chosen, tuple(late), device, dtypes, tuned_key)
+
+
+def selected(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Impl, Optional[Callable[[], None]]]:
+    """The implementation that serves this call, and, when it is a fallback, what warns about it (once per reason)
+    or raises under LIGER_STRICT: not called yet, so that a repeated call can replay it (calls.py)."""
+    choice = resolve(op, pinned, args, kwargs)
+    if choice.impl is None:
+        raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe(choice.rejected))
+    return choice.impl, choice.fallback()
 
 
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
@@ -194,41 +270,6 @@ def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:
     if fallback is not None:
         fallback()
     return impl
-
-
-def selected(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Impl, Optional[Callable[[], None]]]:
-    """The implementation that serves this call, and, when it is a fallback, what warns about it (once per reason)
-    or raises under LIGER_STRICT: not called yet, so that a repeated call can replay it (call_plans.py)."""
-    res = _resolution(op, pinned, args, kwargs)
-    late: list[Rejection] = []
-    chosen = None
-    for impl in res.chain:  # usually the first serves; a plain loop, no generator, on the per-call path
-        predicate = impl.capability.predicate
-        reason = None if predicate is None else predicate(*args, **kwargs)
-        if reason is None:
-            chosen = impl
-            break
-        late.append(Rejection(impl.backend, impl.variant, reason))
-    if chosen is None:
-        raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe([*res.rejected, *late]))
-    if _is_fallback(res, chosen, late):
-        return chosen, functools.partial(_fallback, res, chosen, [*res.rejected, *late])
-    return chosen, None
-
-
-def _judged(chain: Sequence[Impl], args, kwargs):
-    """(impl, the reason its shape predicate turns this call down, or None), in the order of the chain."""
-    for impl in chain:
-        predicate = impl.capability.predicate
-        yield impl, (predicate(*args, **kwargs) if predicate is not None else None)
-
-
-def _is_fallback(res: Resolution, chosen: Impl, late: Sequence[Rejection]) -> bool:
-    """A requested backend did not serve, or (auto) the reference serves although another backend accepts
-    this device type."""
-    if res.requested:
-        return chosen.backend != res.requested[0]
-    return chosen.backend == REFERENCE and any(_better(r) for r in (*res.rejected, *late))
 
 
 def _better(rejection: Rejection) -> bool:
@@ -248,9 +289,10 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
         message = f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call"
     else:
         message = "no backend other than the reference can serve this call"
-    message = f"liger_dispatch: {res.op}: {message} [{why}]; falling back to '{chosen.backend}'"
     if strict():
-        raise BackendUnavailableError(message + f" ({settings.STRICT.name} is set: a fallback is an error)")
+        raise BackendUnavailableError(f"liger_dispatch: {res.op}: {message} [{why}]; {settings.STRICT.name} is set, "
+                                      f"so this is an error instead of a fallback to '{chosen.backend}'")
+    message = f"liger_dispatch: {res.op}: {message} [{why}]; falling back to '{chosen.backend}'"
     key = (res.op, ",".join(r.backend for r in relevant), why)
     if key not in _warned:
         _warned.add(key)
@@ -258,9 +300,9 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
 
 
 def reset() -> None:
-    """Forget memoized resolutions and emitted warnings (tests, or after changing the environment)."""
+    """Forget emitted warnings and the plans made from earlier selections (tests, or after changing the
+    environment)."""
     global generation
-    _memo.clear()
     _warned.clear()
     tuned.reset()
     generation += 1
@@ -268,31 +310,33 @@ def reset() -> None:
 
 def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optional[Impl], list[str]]:
     """Which implementation would serve this call and why each other one would not; no side effects."""
-    device, dtypes = call_signature(args, kwargs)
-    dtypes = _floating(dtypes)
-    tuned_key = tuned.lookup_key(op, device, args, kwargs)
-    res = resolve_static(op, pinned, device, dtypes, tuned_key)
-    lines = [f"op {op} on {device} ({', '.join(dtype_name(d) for d in dtypes) or 'no float tensors'}); "
+    choice = resolve(op, pinned, args, kwargs)
+    res, chosen = choice.resolution, choice.impl
+    lines = [f"op {op} on {choice.device} ({', '.join(dtype_name(d) for d in choice.dtypes) or 'no float tensors'}); "
              f"preference: {res.source}" + (f" = {', '.join(res.requested)}" if res.requested else "")]
-    chosen = None
-    late: list[Rejection] = []
-    for impl, reason in _judged(res.chain, args, kwargs):
+    late = {(r.backend, r.variant): r.reason for r in choice.late}
+    for impl in res.chain:
         label = f"{impl.backend} [{impl.variant}]"
+        reason = late.get((impl.backend, impl.variant))
         if reason is not None:
-            late.append(Rejection(impl.backend, impl.variant, reason))
             lines.append(f"  {label}: cannot serve: {reason}")
-        elif chosen is None:
-            chosen = impl
+        elif impl is chosen:
             measured = dict(res.tuned.ms) if res.tuned is not None else {}
             why = (f"tuned: {measured[impl.backend]:.3g} ms measured" if impl.backend in measured
                    else f"priority {impl.priority}")
             lines.append(f"  {label}: SELECTED ({why})")
-        else:
+        elif chosen is not None:
             lines.append(f"  {label}: capable, not chosen (after {chosen.backend}, priority {impl.priority})")
     for r in res.rejected:
         lines.append(f"  {r.backend}" + (f" [{r.variant}]" if r.variant else "") + f": cannot serve: {r.reason}")
     if not res.requested:
-        lines += tuned.explain(op, device, dtypes, tuned_key, res.tuned)
-    if chosen is not None and _is_fallback(res, chosen, late):
+        lines += tuned.explain(op, choice.device, choice.dtypes, choice.tuned_key, res.tuned)
+    if choice.is_fallback:
         lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
     return chosen, lines
+
+
+def status(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, Optional[str]]:
+    """For every backend that declares `op`: None when it can serve calls on device/dtype (auto, no preference),
+    else the reason."""
+    return resolve(op, (), device=device, dtypes=(dtype,), preferences_apply=False).status()

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
-from liger_dispatch.errors import UnknownOpError
+from liger_dispatch.core import results
+from liger_dispatch.errors import RegistrationError, UnknownOpError
 from liger_dispatch.core.schema import Args, OpSchema
 
 REFERENCE = "reference"
@@ -109,7 +110,8 @@ class OpTable:
     """Every declared op, where each backend implements it, and the registered implementations.
 
     Written by the registry (declarations, locations) and by backend modules as they are imported (registrations);
-    read by selection. `version` changes with every write, so memoized resolutions never outlive one.
+    read by selection. `version` changes with every write and `version_of(op)` with every write that concerns op (a
+    declaration, or a registration of it or of an op it is composed of), so remembered plans never outlive one.
     """
 
     def __init__(self) -> None:
@@ -123,7 +125,9 @@ class OpTable:
         self._discovered: set[tuple[str, str]] = set()  # (op, backend) whose modules were imported
         self._candidates: dict[str, tuple[Impl, ...]] = {}
         self._composed: dict[tuple, Impl] = {}
-        self.version = 0  # bumped on every change; resolution memos key on it
+        self.version = 0  # bumped on every change
+        self._declarations = 0  # bumped on every declaration
+        self._op_versions: dict[str, int] = {}  # op -> registrations that concern it
 
     # -- declaring -----------------------------------------------------------------------------
     def declare_op(self, spec: OpSpec) -> None:
@@ -131,7 +135,7 @@ class OpTable:
             self._ops[spec.name] = spec
             for alias in spec.aliases:
                 self._aliases[alias] = spec.name
-            self._changed()
+            self._declared()
 
     def declare_op_locations(self, op: str, locations: dict[str, str]) -> None:
         with self._lock:
@@ -140,23 +144,37 @@ class OpTable:
             for backend in locations:
                 self._backend_names.setdefault(backend, None)
             self._discovered.clear()  # user-level ops composed of `op` must look again too
-            self._changed()
+            self._declared()
 
-    def register(self, impl: Impl) -> None:
+    def register(self, impl: Impl, replace: bool = False) -> None:
+        """Add an implementation; a second one of the same (op, backend, variant) is an error unless `replace`."""
         spec = self.spec(impl.op)
         spec.schema.validate(impl.fn, tuple(spec.extra.signature.parameters.values()),
                              where=f"{impl.backend}'s implementation of {spec.name}")
         with self._lock:
             impl = Impl(spec.name, impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
-            impls = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) != (impl.backend, impl.variant)]
+            same = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) == (impl.backend, impl.variant)]
+            if same and not replace and same[0].fn is not impl.fn:
+                raise RegistrationError(f"backend {impl.backend!r} already registered {same[0].fn.__qualname__} as its "
+                                        f"implementation of {spec.name}; pass replace=True to replace it")
+            impls = [i for i in self._registered.get(impl.op, []) if i not in same]
             impls.append(impl)
             self._registered[impl.op] = impls
             self._backend_names.setdefault(impl.backend, None)
-            self._changed()
+            concerned = [spec.name, *(n for n, s in self._ops.items() if spec.name in s.composed_of)]
+            for name in concerned:
+                self._op_versions[name] = self._op_versions.get(name, 0) + 1
+                self._candidates.pop(name, None)
+            self.version += 1
 
-    def _changed(self) -> None:
+    def _declared(self) -> None:
         self._candidates.clear()
+        self._declarations += 1
         self.version += 1
+
+    def version_of(self, op: str) -> tuple[int, int]:
+        """Changes with every write that concerns op (a canonical name)."""
+        return self._declarations, self._op_versions.get(op, 0)
 
     # -- looking up ----------------------------------------------------------------------------
     def canonical(self, op: str) -> str:
@@ -209,8 +227,10 @@ class OpTable:
         try:
             importlib.import_module(module)
             error = None
-        except Exception as exc:  # any failure of a backend module must not break the others
-            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # any failure of a backend module (SystemExit too) must not break the others
+            error = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
         with self._lock:
             self._module_errors.setdefault(module, error)
 
@@ -266,10 +286,25 @@ class OpTable:
                     raise ValueError(f"backend {backend!r} registers {part.op} and {first.op} with different "
                                      f"capabilities or priorities; a composed {spec.name} needs them equal")
             capability = replace(first.capability, predicate=_probed(first.capability.predicate, spec))
-            impl = Impl(spec.name, backend, spec.compose(*(p.fn for p in parts)), first.priority, capability,
+            checked = [_checked_part(self.spec(p.op), p) for p in parts]
+            impl = Impl(spec.name, backend, spec.compose(*checked), first.priority, capability,
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl
+
+
+def _checked_part(spec: OpSpec, part: Impl) -> Callable:
+    """A kernel-level implementation as a composition calls it: its results checked against the op's fake while a
+    plan's first call runs (results.py)."""
+    fn = part.fn
+
+    def kernel(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        if results.active() and spec.fake is not None:
+            results.check(spec.name, part.backend, spec.fake(spec.schema.bind(args, kwargs)), out)
+        return out
+
+    return kernel
 
 
 def _probed(predicate: Optional[Callable], spec: OpSpec) -> Optional[Callable]:
@@ -293,12 +328,13 @@ def declare_op_locations(op: str, locations: dict[str, str]) -> None:
 
 
 def register_backend(op: str, *, backend: str, priority: int = 50, capability: Optional[Capability] = None,
-                     variant: str = WHOLE_OP) -> Callable[[Callable], Callable]:
-    """Decorator: register the decorated function as `backend`'s implementation of `op`."""
+                     variant: str = WHOLE_OP, replace: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: register the decorated function as `backend`'s implementation of `op` (a second registration of
+    the same op and backend is an error unless `replace=True`)."""
     capability = capability if capability is not None else Capability()
 
     def decorate(fn: Callable) -> Callable:
-        TABLE.register(Impl(op, backend, fn, priority, capability, variant))
+        TABLE.register(Impl(op, backend, fn, priority, capability, variant), replace=replace)
         return fn
 
     return decorate

@@ -25,10 +25,12 @@ import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch.registry import support
 from liger_dispatch.core import selection
 from liger_dispatch.compose import vocab_parallel
-from liger_dispatch.core.call_plans import Plan
+from liger_dispatch.core import calls, results
+from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE, OpSpec
+from liger_dispatch.errors import DoubleBackwardError
 
 NAMESPACE = "liger_dispatch"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -51,47 +53,68 @@ def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
 
 
 # -- eager ----------------------------------------------------------------------------------------------------------
+def once_differentiable(op: str) -> None:
+    """In a backward: a double backward (create_graph=True) is an error naming the op, not a gradient that silently
+    does not depend on the inputs (the backward runs with grad mode on exactly then)."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise DoubleBackwardError(f"liger_dispatch: {op} computes its gradient in the forward pass (or with a kernel "
+                                  "of its own), so it cannot be differentiated twice (create_graph=True); compute a "
+                                  "gradient penalty with another op")
+
+
 class _GradsInForward(torch.autograd.Function):
     """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""
 
     @staticmethod
-    def forward(ctx, run, *tensors):
+    def forward(ctx, op, run, *tensors):
         loss, *grads = run()
         ctx.save_for_backward(*grads)
+        ctx.op = op
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return None, *_scaled(ctx, grad_loss)
+        once_differentiable(ctx.op)
+        return None, None, *_scaled(ctx, grad_loss)
 
 
 class _RowLosses(torch.autograd.Function):
     """Per-row losses; the backward recomputes the gradient of sum_i grad_i * loss_i."""
 
     @staticmethod
-    def forward(ctx, run, backward, *tensors):
-        ctx.run_backward = backward
+    def forward(ctx, op, run, backward, *tensors):
+        ctx.run_backward, ctx.op = backward, op
         return run()
 
     @staticmethod
     def backward(ctx, grad_rows):
-        return None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[2:])
+        once_differentiable(ctx.op)
+        return None, None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[3:])
 
 
 class _WithBackward(torch.autograd.Function):
     """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
 
     @staticmethod
-    def forward(ctx, fn, options, outputs, *tensors):
+    def forward(ctx, op, fn, options, outputs, where, once, *tensors):
         results = fn(*tensors, **options)
         ctx.save_for_backward(*tensors, *results[outputs:])
-        ctx.fn, ctx.options = fn, options
+        ctx.fn, ctx.options, ctx.where, ctx.once, ctx.op = fn, options, where, once, op
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return tuple(results[:outputs])
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, None, *ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)
+        once_differentiable(ctx.op)
+        if ctx.once:  # its backward overwrites what it saved (OpSpec.saved "Tensor(a!)")
+            if getattr(ctx, "done", False):
+                raise RuntimeError(f"liger_dispatch: {ctx.op}'s backward overwrites what its forward kept, so it "
+                                   "cannot be backpropagated twice (retain_graph=True); call the op again instead")
+            ctx.done = True
+        result = [None] * (len(ctx.needs_input_grad) - 6)  # one per input tensor
+        for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)):
+            result[i] = g
+        return None, None, None, None, None, None, *result
 
 
 def _scaled(ctx, grad_loss: torch.Tensor) -> list:
@@ -139,22 +162,72 @@ def _checked(spec: OpSpec, fallback: Optional[Callable[[], None]], a: Args) -> N
         spec.value_check(a)
 
 
-def _selected(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    """(what serves this call, its fallback warning or None), both paths: the selected implementation (the
-    vocab-parallel driver on it for a call with a process_group), after the op's value checks."""
+def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
+    """Selection for a call: what serves it (the vocab-parallel driver on the selected implementation for a call
+    with a process_group) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
-    _checked(spec, fallback, a)
-    return (impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)), fallback
+    fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
+    return Plan(fn, fallback, impl.backend)
 
 
-def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict):
-    return _selected(spec, pinned, a, args, kwargs)[0]
+def _expected(spec: OpSpec, args: tuple, kwargs: dict):
+    """What an implementation of spec returns for this call: the fake's outputs, and for a loss whose gradients are
+    computed in the forward pass one gradient per differentiable input (None where not asked for)."""
+    own = {k: v for k, v in kwargs.items() if k not in spec.extra.names}
+    a = spec.schema.bind(args, own)
+    outputs = spec.fake(a)
+    if spec.level == "kernel" or not _grads_in_forward(spec):
+        return outputs
+    need = wanted_grads(kwargs.get("need_grads", ()), len(spec.differentiable))
+    inputs = [getattr(a, n) for n in spec.differentiable]
+    return (outputs, *(results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
+                       for w, t in zip(need, inputs)))
+
+
+def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
+    """fn, its results (and those of the kernel-level ops a composition calls) checked against the op's fake: what a
+    plan's first call runs."""
+
+    def first_call(*args, **kwargs):
+        with results.checking():
+            out = fn(*args, **kwargs)
+        if spec.fake is not None and kwargs.get("row_weights") is None:  # a loss per row's backward: gradients only
+            results.check(spec.name, backend, _expected(spec, args, kwargs), out)
+        return out
+
+    if hasattr(fn, "backward"):  # an op with a backward of its own
+        first_call.backward = fn.backward
+    return first_call
+
+
+def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Callable:
+    """What serves a torch op's call: the plan of its signature, after its fallback warning and value checks (its
+    results checked on the signature's first call)."""
+    call_key = calls.key(spec, pinned, args, kwargs)
+    plan = calls.get(call_key)
+    if plan is None:
+        plan = _plan(spec, pinned, a, args, kwargs)
+        calls.remember(call_key, plan, getattr(a, "process_group", None))
+        _checked(spec, plan.fallback, a)
+        return _checking(spec, plan.backend, plan.fn)
+    _checked(spec, plan.fallback, a)
+    return plan.fn
 
 
 def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
-    """The eager path's first half: select and check values; what calls of this one's signature run."""
-    fn, fallback = _selected(spec, pinned, a, args, kwargs)
-    return Plan(_launcher(spec, fn, a), fallback)
+    """The eager path's first half: select and check values; what calls of this one's signature run (the first
+    one with its results checked)."""
+    made = _plan(spec, pinned, a, args, kwargs)
+    _checked(spec, made.fallback, a)
+    launch = _launcher(spec, made.fn, a)
+    first = _launcher(spec, _checking(spec, made.backend, made.fn), a)
+
+    def first_launch(a, args, kwargs):
+        made.launch = launch
+        return first(a, args, kwargs)
+
+    made.launch = first_launch
+    return made
 
 
 def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
@@ -180,10 +253,10 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
                 summed = {**kwargs, "reduction": "sum"}
                 return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
 
-            return _apply(_RowLosses, (lambda: fn(*args, **kwargs)[0], backward), tensors(a))
+            return _apply(_RowLosses, (spec.name, lambda: fn(*args, **kwargs)[0], backward), tensors(a))
 
         return launch_rows
-    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need),),
+    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need)),
                                           tensors(a))
 
 
@@ -192,6 +265,8 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     among them, are the same in every call of the signature, so they are read once."""
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = _returns(spec.schema_text)
+    where = _differentiable_places(spec)
+    once = spec.name if "(a!)" in spec.saved else None
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -199,7 +274,9 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     def launch(a, args, kwargs):
         tensors = positional(a)
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
-        return _apply(_WithBackward, (fn, options, outputs), tensors) if grads else fn(*tensors, **options)[:outputs]
+        if not grads:
+            return fn(*tensors, **options)[:outputs]
+        return _apply(_WithBackward, (spec.name, fn, options, outputs, where, once), tensors)
 
     return launch
 
@@ -303,6 +380,7 @@ def _define_loss(spec: OpSpec) -> None:
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grad_loss, *_):
+        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
         # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
         passed = len(ctx.needs_input_grad)
         need = [i < passed and ctx.needs_input_grad[i] for i in where]
@@ -326,6 +404,18 @@ def _define_loss(spec: OpSpec) -> None:
     torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
 
 
+def _differentiable_places(spec: OpSpec) -> list[int]:
+    """Each differentiable tensor's place among the op's positional inputs."""
+    return [spec.schema.positional.index(n) for n in spec.differentiable]
+
+
+def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out (None)."""
+    if input is None:
+        return like.new_empty(0)
+    return grad.reshape(input.shape).to(input.dtype)
+
+
 def _returns(schema_text: str) -> int:
     """How many tensors a schema returns."""
     returns = schema_text.rpartition("->")[2].strip()
@@ -335,11 +425,14 @@ def _returns(schema_text: str) -> int:
 def _define_with_backward(spec: OpSpec) -> None:
     """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
     its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
-    optional gradient per output, and returning one gradient per differentiable input."""
+    optional gradient per output, and returning one gradient per differentiable input. A saved tensor declared
+    `Tensor(a!)` is one the implementation's backward overwrites (eager autograd hands it over); a traced backward
+    may not change what the forward saved, so this one gives the backward a copy."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
     outputs = _returns(spec.schema_text)
-    saved = [p.strip() for p in spec.saved.split(",")]
+    saved = [p.strip().replace("(a!)", "") for p in spec.saved.split(",")]
+    overwritten = [len(positional) + i for i, p in enumerate(spec.saved.split(",")) if "(a!)" in p]
 
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
@@ -351,23 +444,28 @@ def _define_with_backward(spec: OpSpec) -> None:
         return spec.fake(_bind(spec, args, kwargs)[0])
 
     own_positional, keyword, _ = _split(spec.schema_text)
+    own_positional = [p.partition("=")[0].strip() for p in own_positional]  # the backward's come before the saved
     _LIB.define(_torch_schema(spec, "(" + ", ".join(["Tensor"] * (outputs + len(saved))) + ")"))
     grads = [f"Tensor? grad_{i}" for i in range(outputs)]
     _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads], [*keyword, "str? backend=None"],
                            "(" + ", ".join(["Tensor"] * len(spec.differentiable)) + ")"))
 
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
-    where = [positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
+    where = _differentiable_places(spec)
 
     def backward_impl(*args, backend=None, **options):
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
-        fn = selection.select(spec.name, selection.parse_backends(backend), tensors, options).fn
+        pinned = selection.parse_backends(backend)
+        fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
+                                    spec.schema.bind(tensors, options), pinned)
+        args = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
         grads = fn.backward(*args, **options)
-        return tuple(g.reshape(tensors[i].shape).to(tensors[i].dtype) for i, g in zip(where, grads))
+        # an input left out (None) gets an empty tensor: a torch op returns tensors
+        return tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads))
 
     def backward_fake(*args, backend=None, **options):
-        return tuple(torch.empty_like(args[i]) for i in where)
+        return tuple(args[0].new_empty(0) if args[i] is None else torch.empty_like(args[i]) for i in where)
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         ctx.save_for_backward(*inputs, *output[outputs:])
@@ -376,12 +474,14 @@ def _define_with_backward(spec: OpSpec) -> None:
         ctx.set_materialize_grads(False)
 
     def backward(ctx, *grad_outputs):
-        grads = getattr(torch.ops.liger_dispatch, backward_name)(*ctx.saved_tensors, *grad_outputs[:outputs],
-                                                                 **ctx.keywords)
+        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
+        saved = ctx.saved_tensors
+        grads = getattr(torch.ops.liger_dispatch, backward_name)(*saved, *grad_outputs[:outputs], **ctx.keywords)
         result = [None] * len(positional)
         for i, g in zip(where, grads):
-            result[i] = g
-        return tuple(result)
+            result[i] = g if saved[i] is not None else None  # an input left out (bias=None) got an empty tensor
+        # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
+        return tuple(result[: len(ctx.needs_input_grad)])
 
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
@@ -413,10 +513,10 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
     op = getattr(torch.ops.liger_dispatch, spec.name)
     if spec.level == "kernel":
         return op(*positional, **options, backend=backend)
+    if options.get("process_group") is not None:  # the op takes a group by its name
+        options["process_group"] = vocab_parallel.group_name(options["process_group"])
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
-        if options.get("process_group") is not None:  # the op takes a group by its name
-            options["process_group"] = vocab_parallel.group_name(options["process_group"])
         return op(*positional, **options, need_grads=need, backend=backend)[0]
     return op(*positional, **options, backend=backend)[:_returns(spec.schema_text)]
 

@@ -201,16 +201,22 @@ def _check_head_and_loss(model) -> None:
                                     "transformers' ForCausalLMLoss, the only loss the fused path computes")
 
 
-def _distillation_head(model, role: str) -> torch.Tensor:
+def lm_head_without_softcap(model, role: str, op: str = "fused_linear_logprobs"):
+    """(weight, bias or None) of a supported causal LM's lm_head, for an op with no softcap (refused with why)."""
     softcap_attr = FAMILIES[_family(model)]
     softcap = getattr(model.config, softcap_attr) if softcap_attr else None
     if softcap is not None:
         raise UnsupportedModelError(f"the {role} ({type(model).__name__}) softcaps its logits "
-                                    f"({softcap_attr}={softcap}); fused_linear_jsd has no softcap")
+                                    f"({softcap_attr}={softcap}); {op} has no softcap")
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
+    return head.weight, getattr(head, "bias", None)
+
+
+def _distillation_head(model, role: str) -> torch.Tensor:
+    weight, bias = lm_head_without_softcap(model, role, "fused_linear_jsd")
+    if bias is not None:
         raise UnsupportedModelError(f"the {role}'s lm_head has a bias; fused_linear_jsd has no bias term")
-    return head.weight
+    return weight
 
 
 def _no_position(device) -> torch.Tensor:

@@ -46,6 +46,30 @@ def _short(reason: str, width: int = 110) -> str:
     return reason if len(reason) <= width else reason[: width - 1] + "…"
 
 
+def summary(op: str, device: str, dtype: torch.dtype) -> str:
+    """Which backend serves `op` here under the backend preference in force (LIGER_BACKEND, LIGER_BACKEND_<OP>),
+    or why it falls back; an unknown backend name raises UnknownBackendError, as a call would."""
+    from liger_dispatch.core import selection
+    from liger_dispatch.dispatch import available_backends
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return f"{op}: nothing serves (no CUDA device on this machine)"
+    usable = available_backends(op, device=device, dtype=dtype)
+    choice = selection.resolve(op, (), device=torch.device(device), dtypes=(dtype,))
+    res, chosen = choice.resolution, choice.impl
+    served = chosen.backend if chosen is not None else "nothing"
+    if not res.requested:
+        return f"{op}: auto picks [bold]{served}[/bold] (usable, best first: {', '.join(usable) or 'none'})"
+    asked = f"{res.source} = {', '.join(res.requested)}"
+    if not choice.is_fallback:
+        return f"{op}: {asked}: [bold]{served}[/bold] serves"
+    why = "; ".join(f"{r.backend}: {r.reason}" for r in choice.rejected if r.backend in res.requested)
+    if settings.STRICT.get():
+        return f"{op}: {asked}: [red]calls raise[/red] ({settings.STRICT.name} is set; {why})"
+    return f"{op}: {asked}: falls back to [bold]{served}[/bold] ({why})"
+
+
+
 # A cell of the matrix is one short word; a reason is a numbered note printed once below the table.
 AVAILABLE, NOT_REGISTERED = "available", "-"
 
@@ -114,9 +138,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     if NOT_REGISTERED in (cell for _, _, cells in rows for cell in cells):
         console.print(f"{NOT_REGISTERED}: the backend registers no implementation of this op", highlight=False)
     for name in TABLE.op_names("user"):
-        usable = ld.available_backends(name, device=device, dtype=dtype)
-        console.print(f"{name}: auto picks [bold]{usable[0] if usable else 'nothing'}[/bold]"
-                      f" (usable, best first: {', '.join(usable) or 'none'})")
+        console.print(summary(name, device, dtype), highlight=False)
         console.print(f"[dim]  {name}{TABLE.spec(name).schema.describe()}[/dim]", highlight=False)
     failures = {m: TABLE.module_error(m) for op in TABLE.op_names() for m in TABLE.locations(op).values()}
     for module, error in sorted((m, e) for m, e in failures.items() if e):
@@ -139,6 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
     demos.add_arguments(demo)
     tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
+    from liger_dispatch import testing
+
+    testing.add_arguments(sub.add_parser("verify", parents=[where],
+                                         help="run the conformance suite on one backend (yours: --import it)"))
     args = parser.parse_args(argv)
     device = getattr(args, "device", None) or str(default_device())
     problem = device_problem(device)
@@ -152,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return demos.run(args, device, dtype)
         if args.command == "tune":
             return tune.run(args, device, dtype)
+        if args.command == "verify":
+            return testing.run(args, device)
         matrix(device, dtype)
     except LigerDispatchError as exc:  # a bad LIGER_* variable or backend name: the user's to fix, not a crash
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -33,6 +33,7 @@ import importlib.metadata
 import json
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -195,8 +196,13 @@ class DeviceTables:
                 self.ignored.append(f"{path}: made on {describe_key(table_key)}")
                 continue
             self.applied.append(str(path))
-            for raw in raw_entries:
-                entry = _entry(raw, str(path))
+            for i, raw in enumerate(raw_entries):
+                try:
+                    entry = _entry(raw, str(path))
+                except (KeyError, ValueError, TypeError, AttributeError) as exc:
+                    warnings.warn(f"tuned table {path}: entry {i} ({raw!r:.120}) is malformed "
+                                  f"({type(exc).__name__}: {exc}); it is skipped", UserWarning, stacklevel=2)
+                    continue
                 if entry.ms:
                     self.index.setdefault((entry.op, entry.dtype, entry.rest), {})[entry.n] = entry
         self.ops = frozenset(op for op, _, _ in self.index)

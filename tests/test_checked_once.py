@@ -1,4 +1,4 @@
-"""The input checks memoized per call signature: a bad call raises every time, whatever passed before it, and a
+"""The input checks run once per call signature (the plans of core/calls.py): a bad call raises every time, whatever passed before it, and a
 call that differs from a passing one in one attribute (dtype, device, shape, strides, an option's value or type)
 is checked again. The class-index check on the device: valid exactly where the host check is."""
 
@@ -10,13 +10,14 @@ import textwrap
 import pytest
 import torch
 
-from liger_dispatch.core import check_cache
+import liger_dispatch as ld
+from liger_dispatch.core import calls
+from liger_dispatch.core.table import OpSpec
 from liger_dispatch import dispatch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks
 from liger_dispatch.backends.reference.support import check_class_indices
 from liger_dispatch.backends.triton import support as triton_support
-from liger_dispatch.core.schema import OpSchema
 
 from test_checks import BAD, KERNEL_BAD, N, V, call, flce_args, kl_args, mhc_args
 
@@ -80,65 +81,54 @@ def test_only_the_strides_changed_is_checked_again():
         handle(strided, target)
 
 
-class _Spec:
-    """What check_cache reads of an OpSpec: its schema and its check (hashed by identity, as an OpSpec is)."""
+def _counted_toy(table, name):
+    """A declared kernel-level op `name`(x, *, scale) whose input check counts its calls, served by the reference."""
+    checked = []
 
-    def __init__(self, schema_text, check):
-        self.schema, self.check = OpSchema(schema_text), check
+    def check(a):
+        checked.append(a)
+        if isinstance(a.scale, (int, float)) and not a.scale > 0:
+            raise InputError(f"scale must be > 0, got {a.scale}")
 
-
-def _counted(schema_text, check):
-    calls = []
-
-    def counting(a):
-        calls.append(a)
-        check(a)
-
-    return _Spec(schema_text, counting), calls
+    table.declare_op(OpSpec(f"{name}(Tensor x, *, float scale=1.0) -> Tensor", "kernel", check,
+                            fake=lambda a: torch.empty_like(a.x)))
+    ld.register_backend(name, backend="reference")(lambda x, *, scale=1.0: x.clone())
+    return dispatch.op(name), checked
 
 
-def _positive_scale(a):
-    if not a.scale > 0:
-        raise InputError(f"scale must be > 0, got {a.scale}")
-
-
-def test_a_passing_signature_is_checked_once_a_failing_one_every_time():
-    spec, calls = _counted("toy(Tensor x, *, float scale=1.0) -> Tensor", _positive_scale)
+def test_a_passing_signature_is_checked_once_a_failing_one_every_time(isolated_table):
+    run, checked = _counted_toy(isolated_table, "toy_checked")
     x = torch.randn(3)
-
-    def run(x, **kwargs):
-        check_cache.check(spec, spec.schema.bind((x,), kwargs))
-
     for _ in range(3):
         run(x)
-    assert len(calls) == 1
+    assert len(checked) == 1
     run(torch.randn(3))  # new data, same signature
-    assert len(calls) == 1
+    assert len(checked) == 1
     for changed in (torch.randn(4), torch.randn(3, dtype=torch.float64), torch.randn(6)[::2]):
         run(changed)
-    assert len(calls) == 4
+    assert len(checked) == 4
     for _ in range(2):
         with pytest.raises(InputError):
             run(x, scale=-1.0)
-    assert len(calls) == 6
+    assert len(checked) == 6
     run(x, scale=2)  # 2 == 2.0, but an int is another signature
     run(x, scale=2.0)
-    assert len(calls) == 8
+    assert len(checked) == 8
 
 
-def test_unhashable_options_are_checked_every_time():
-    spec, calls = _counted("toy(Tensor x, *, float scale=1.0) -> Tensor", lambda a: None)
+def test_unhashable_options_are_checked_every_time(isolated_table):
+    run, checked = _counted_toy(isolated_table, "toy_unhashable")
     for _ in range(2):
-        check_cache.check(spec, spec.schema.bind((torch.randn(2),), dict(scale=[1.0])))
-    assert len(calls) == 2
+        run(torch.randn(2), scale=[1.0])
+    assert len(checked) == 2
 
 
-def test_the_cache_is_bounded(monkeypatch):
-    spec, calls = _counted("toy(Tensor x) -> Tensor", lambda a: None)
-    monkeypatch.setattr(check_cache, "LIMIT", 4)
+def test_the_cache_is_bounded(isolated_table, monkeypatch):
+    run, _ = _counted_toy(isolated_table, "toy_bounded")
+    monkeypatch.setattr(calls, "LIMIT", 4)
     for n in range(10):
-        check_cache.check(spec, spec.schema.bind((torch.randn(n + 1),), {}))
-    assert len(check_cache._passed) <= 4
+        run(torch.randn(n + 1))
+    assert len(calls._plans) <= 4
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])

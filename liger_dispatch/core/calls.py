@@ -1,0 +1,122 @@
+"""What a call of each signature runs, remembered: the one call-signature cache (checks, selection, plan).
+
+The first call of a signature takes the whole path: bind the arguments and validate them, the op's input checks,
+autocast, selection (shape predicates, tuned tables, fallback), the value checks, and it ends with a `Plan`: the
+function that serves the call, which gradients it computes, and the fallback warning it gave, if any. A later call
+with the same signature reuses the plan: it skips all of that but the steps that read the data or a setting each
+call, which it runs as the first call did: the value checks (a label outside [0, V): on the device, or on the host
+for CPU tensors and under LIGER_CHECKS=full) and a fallback's warning (once per reason) or, under LIGER_STRICT,
+error. Handles (eager calls), the torch ops' implementations (compiled calls), the vocab-parallel kernels and the
+machinery's own kernels (registry/support.py) all look their plans up here, with `key`.
+
+The key holds everything the skipped steps read:
+- the op and the backends pinned by the caller;
+- each argument, positional or by keyword name: a tensor's type, shape, strides, dtype, device and requires_grad;
+  any other value's type and value (1, 1.0 and True are three signatures);
+- grad mode, and under autocast the autocast state of the call's device type;
+- what selection reads besides the arguments: the backend preference (use_backend, LIGER_BACKEND_<OP> and
+  LIGER_BACKEND, read each call; under auto selection LIGER_TUNED_TABLE too), the op table's version (a backend
+  registered since), and selection.generation (selection.reset() since).
+So a capability's shape predicate must be a function of the signature (capability.py says so).
+
+Not remembered: calls with a process_group (the vocab-parallel driver is made per call, after a collective),
+calls whose signature cannot be hashed (an unhashable option) or read (a tensor without strides).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from liger_dispatch.core import autocast, selection
+from liger_dispatch.core.table import TABLE
+from liger_dispatch.settings import TUNED_TABLE, getenv
+
+LIMIT = 4096  # signatures remembered; past that they start over (a run whose shapes never repeat)
+_VERSION = -2  # the table version's place in a key (the generation is last)
+
+
+class Plan:
+    """What the calls of one signature run: `fallback()` (the fallback's warning, or None when the selected
+    implementation is the one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for
+    a handle's eager call, `launch(a, args, kwargs)`: fn under the autograd.Function that computes the gradients
+    the signature asks for (torch_ops.py)."""
+
+    __slots__ = ("fn", "fallback", "launch", "backend")
+
+    def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str,
+                 launch: Optional[Callable] = None):
+        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, launch
+
+
+_plans: dict[tuple, Plan] = {}
+
+
+def _signature(values) -> tuple:
+    """Each value's part of a call's signature (one comprehension, no call per value: this is the per-call path)."""
+    return tuple([(type(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor)
+                  else (type(v), v) for v in values])
+
+
+def key(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[tuple]:
+    """The key of a call's plan, or None when the call cannot be remembered."""
+    try:
+        call_key = (spec, pinned, _signature(args), tuple(kwargs), _signature(kwargs.values()) if kwargs else (),
+                    torch.is_grad_enabled(), autocast.enabled() and _autocast_state(spec, args, kwargs),
+                    None if pinned else _preference(spec), TABLE.version_of(spec.name), selection.generation)
+        hash(call_key)
+        return call_key
+    except (TypeError, RuntimeError, AttributeError, KeyError, IndexError):  # unhashable, no strides, missing
+        return None
+
+
+def get(call_key: Optional[tuple]) -> Optional[Plan]:
+    return None if call_key is None else _plans.get(call_key)
+
+
+def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
+    if call_key is None or process_group is not None:
+        return
+    if len(_plans) >= LIMIT:
+        _plans.clear()
+    # under the table's version the plan was made at: the call's discovery may have registered backends since
+    # the key was made, and the next call makes its key with this one
+    _plans[(*call_key[:_VERSION], TABLE.version_of(call_key[0].name), call_key[-1])] = plan
+
+
+def reset() -> None:
+    """Forget every plan (tests)."""
+    _plans.clear()
+
+
+def _preference(spec):
+    """What selection reads besides the arguments (a call pinning backends reads none of it)."""
+    preference = selection.preferences(spec.name, ())
+    return preference if any(preference) else getenv(TUNED_TABLE.name)  # auto: the tuned tables order it
+
+
+def _autocast_state(spec, args: tuple, kwargs: dict):
+    """Under autocast: its state for the device of the call (an op with parameters it casts), else True."""
+    if not spec.autocast:
+        return True
+    name = spec.autocast[0]
+    index = spec.schema.positional.index(name)
+    value = args[index] if index < len(args) else kwargs[name]
+    return autocast.state(value.device.type)
+
+
+def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable:
+    """The implementation that serves this call of a kernel-level op, from the plan of its signature (made on its
+    first call), after its fallback warning (or strict error) and value checks."""
+    call_key = key(spec, pinned, args, kwargs)
+    plan = get(call_key)
+    if plan is None:
+        impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
+        plan = Plan(impl.fn, fallback, impl.backend)
+        remember(call_key, plan)
+    if plan.fallback is not None:
+        plan.fallback()
+    if spec.value_check is not None:
+        spec.value_check(spec.schema.bind(args, kwargs))
+    return plan.fn

@@ -1,0 +1,982 @@
+"""The conformance suite as a library: what CI runs on the in-tree backends, for a backend author to run on theirs.
+
+    import liger_dispatch.testing as lt
+    result = lt.verify("mine")            # every op "mine" registers, and every user-level op it then serves
+    print(result.table()); assert result.passed, result.failures
+
+    python -m liger_dispatch verify --backend mine --import mylib.kernels [--device cuda] [--ops flce ...]
+
+For each op the backend serves, four checks, each a row of the result:
+- conformance: the op's cases (CASES below: fresh random inputs, V not a multiple of any block, a single row, all
+  rows ignored, beta in {0, 0.5, 1}, T != 1, non-contiguous inputs, every reduction, empty batches, fp16 inputs
+  whose gradients pass fp16's range) against the float64 reference formulas (backends/reference/formulas.py), as
+  the relative Frobenius error of every output and gradient. A kernel-level op without cases of its own is
+  compared with the reference kernel on float64 copies of a sample (its outputs and what it writes in place; the
+  same dtypes where the op takes some tensors in fp32 only).
+- opcheck: `torch.library.opcheck` of torch.ops.liger_dispatch.<op> with the backend pinned (`backend=`).
+- compile: `torch.compile(fullgraph=True)` of a call (forward and backward for user-level ops), no graph break,
+  equal to eager.
+- cuda graph (CUDA only): a capture of the same call, forward and backward, replayed, equal to eager.
+Everything runs under LIGER_STRICT=1, so a call the backend cannot serve is a failure, not a silent fallback.
+
+tests/test_conformance.py drives the same cases over the in-tree backends: one source of truth. The op-specific
+part is the table at the end of this module (CASES, KERNEL_SAMPLES); it belongs in the op family modules in
+registry/ and moves there once they are free to edit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from liger_dispatch import dispatch
+from liger_dispatch.backends.reference import formulas
+from liger_dispatch.core.table import TABLE
+from liger_dispatch.errors import InputError, LigerDispatchError, UnknownBackendError
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
+# in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
+# gradients amplify that rounding
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+COMPILED_TOLERANCE = 1e-5  # compiled against eager, the same backend: the same kernels
+CHECKS = ("conformance", "opcheck", "compile", "cuda graph")
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def rel_err(got, want) -> float:
+    """Relative Frobenius error of got against want (got's norm when want is all zero), in float64."""
+    got, want = got.detach().double(), want.detach().double()
+    scale = want.norm()
+    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One compared tensor: its relative error and the limit it is held to (error None: it could not be compared)."""
+
+    name: str
+    error: Optional[float]
+    tolerance: float
+    problem: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem and self.error is not None and self.error <= self.tolerance
+
+    def describe(self) -> str:
+        return self.problem or f"{self.name}: relative error {self.error:.2e} > {self.tolerance:.1e}"
+
+
+def measure(name, got, want, tol) -> Measurement:
+    """Finite, same shape, and within tol relative error, plus twice the truth's own rounding to got's dtype
+    (a value barely representable in it, as a ~1e-9 fp16 gradient, may round to the other neighbour)."""
+    if got is None or want is None:
+        return Measurement(name, None, tol, f"{name}: missing ({'got' if got is None else 'want'} is None)")
+    if got.shape != want.shape:
+        return Measurement(name, None, tol, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
+    if not torch.isfinite(got.float()).all():
+        return Measurement(name, math.inf, tol, f"{name}: non-finite values")
+    limit = tol + 2 * rel_err(want.to(got.dtype), want)
+    return Measurement(name, rel_err(got, want), limit)
+
+
+def assert_rel_close(name, got, want, tol):
+    m = measure(name, got, want, tol)
+    assert m.ok, m.describe()
+
+
+def worst(measurements: Sequence[Measurement]) -> Measurement:
+    """The failing measurement if any (the first), else the one closest to its limit."""
+    failing = [m for m in measurements if not m.ok]
+    if failing:
+        return failing[0]
+    return max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
+
+
+def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(grad)
+
+
+def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None,
+            row_upstream=1.0) -> list[Measurement]:
+    """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same upstream
+    gradient through both (random weights times `row_upstream` on each element of a per-row output, `upstream` on
+    a scalar) and measures outputs and the gradients of `grad_names` against the float64 truth. used: the outputs
+    backpropagated through (default all: the others' gradients are absent)."""
+    tol = TOLERANCE[dtype]
+    mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    oracle = torch.float64  # the truth from the same (already rounded) inputs
+    theirs = {k: leaf(v.to(oracle) if v.is_floating_point() else v, k in grad_names)
+              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    got = dispatch.op(op, backend=backend)(*mine.values(), **kwargs)
+    want = getattr(formulas, op)(*theirs.values(), **kwargs)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    results, total_got, total_want = [], 0, 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        results.append(measure(f"output {i}", g.float(), w.float(), tol))
+        if used is not None and i not in used:
+            continue
+        weights = (torch.randn(w.shape, device=w.device, dtype=torch.float32) * row_upstream if w.dim()
+                   else torch.tensor(upstream))
+        total_got = total_got + (g.float() * weights.to(g.device)).sum()
+        total_want = total_want + (w.float() * weights.to(w.device)).sum()
+    if not all(m.ok for m in results):
+        return results
+    total_got.backward()
+    total_want.backward()
+    for name in grad_names:
+        results.append(measure(f"grad of {name}", mine[name].grad, theirs[name].grad, tol))
+    return results
+
+
+def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
+    """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
+    out = dispatch.op(op, backend=backend)(*inputs.values(), **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    results = []
+    for i, o in enumerate(outs):
+        if kwargs.get("reduction") == "none" or o.dim():
+            problem = "" if o.shape[0] == 0 else f"output {i}: shape {tuple(o.shape)}, not empty"
+            results.append(Measurement(f"output {i}", 0.0, 0.0, problem))
+        else:
+            value = float(o.detach().float().abs()) if o.shape == () else math.inf
+            results.append(Measurement(f"output {i}", value, 0.0, "" if o.shape == () else
+                                       f"output {i}: shape {tuple(o.shape)}, not a scalar"))
+    sum(o.float().sum() for o in outs).backward()
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t.grad is None or t.grad.shape != t.shape:
+                results.append(Measurement(f"grad of {name}", None, 0.0, f"grad of {name}: missing or misshapen"))
+            else:
+                results.append(Measurement(f"grad of {name}", float(t.grad.abs().max()) if t.grad.numel() else 0.0,
+                                           0.0))
+    return results
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Makers of a case's random inputs on one device and dtype, and the shapes of that device's cases."""
+
+    device: torch.device
+    dtype: torch.dtype
+    N: int
+    H: int
+    V: int
+    mhc_shapes: tuple
+
+    def randn(self, *shape, dtype=None, scale=1.0):
+        dtype = self.dtype if dtype is None else dtype
+        return torch.randn(*shape, device=self.device, dtype=torch.float32).mul_(scale).to(dtype)
+
+    def weight(self, vocab=None, hidden=None, dtype=None, scale=1.0):
+        """A [vocab, hidden] head whose logits are ~scale."""
+        hidden = self.H if hidden is None else hidden
+        return self.randn(self.V if vocab is None else vocab, hidden, dtype=dtype, scale=scale * hidden ** -0.5)
+
+    def labels(self, n, vocab=None, ignored=(), all_ignored=False):
+        y = torch.randint(0, self.V if vocab is None else vocab, (n,), device=self.device)
+        if all_ignored:
+            y.fill_(-100)
+        for i in ignored:
+            y[i] = -100
+        return y
+
+    def kl_target(self, n, log_target, zeros, dtype=torch.float32):
+        probs = torch.softmax(self.randn(n, self.V, dtype=torch.float32, scale=2.0), dim=-1)
+        if zeros:
+            probs[:, ::5] = 0
+            probs = probs / probs.sum(-1, keepdim=True)
+        return (probs.clamp_min(1e-30).log() if log_target else probs).to(dtype)
+
+    def scalar(self, value):
+        return torch.tensor(value, device=self.device)
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a transposed storage: stride(-1) != 1."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def shapes(device) -> dict:
+    """The cases' sizes: tiny on the CPU (Triton and Helion kernels run in the interpreter there), real on a GPU;
+    V is a prime, a multiple of no block size."""
+    if torch.device(device).type == "cuda":
+        return dict(N=512, H=256, V=4099, mhc_shapes=((4, 512, 4, 1024), (2048, 4, 256)))
+    return dict(N=7, H=16, V=131, mhc_shapes=((2, 3, 4, 8), (5, 2, 8)))
+
+
+def inputs_for(device, dtype) -> Inputs:
+    return Inputs(torch.device(device), dtype, **shapes(device))
+
+
+# ---------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case of a user-level op.
+
+    build(inputs) -> (the op's tensor arguments by name, in schema order; its keyword options).
+    grads: the arguments whose gradients are compared. kind: "reference" (compared with the float64 formulas) or
+    "empty" (zero rows: zero loss and gradients). dtypes: where it runs; None is every dtype on a GPU and float32
+    on the CPU, plus bf16 and fp16 there when `smoke` (the interpreter is slow). extra_dtypes are added to those.
+    """
+
+    name: str
+    build: Callable[[Inputs], tuple[dict, dict]]
+    grads: tuple[str, ...] = ()
+    upstream: float = 0.7
+    kind: str = "reference"
+    smoke: bool = False
+    dtypes: Optional[tuple] = None
+    extra_dtypes: tuple = ()
+    sample: bool = False  # the op's smallest call: the opcheck, compile and CUDA-graph checks use it
+    used: Optional[tuple] = None  # the outputs backpropagated through (None: all)
+    row_upstream: float = 1.0  # the scale of the random upstream gradient of a per-row output
+
+    def dtypes_on(self, device) -> tuple:
+        if self.dtypes is not None:
+            return self.dtypes
+        if torch.device(device).type == "cuda":
+            every = (torch.float32, *LOW_PRECISION)
+        else:
+            every = (torch.float32, *LOW_PRECISION) if self.smoke else (torch.float32,)
+        return tuple(dict.fromkeys((*every, *self.extra_dtypes)))
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def case_id(op, backend, dtype, case: str) -> str:
+    """The case's name as tests/test_conformance.py shows it: op-backend-dtype-case."""
+    return f"{op}-{backend}-{dtype_name(dtype)}-{case}"
+
+
+def seed_of(op, dtype, case: str) -> int:
+    """Every backend sees the same inputs for a case: the seed depends on the op, dtype and case only."""
+    return zlib.crc32(f"{op}-{dtype_name(dtype)}-{case}".encode())
+
+
+def run_case(op, backend, dtype, case: Case, device) -> list[Measurement]:
+    """The case's measurements on `backend` (raises what the call raises)."""
+    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed_of(op, dtype, case.name))
+        inputs, options = case.build(inputs_for(device, dtype))
+        if case.kind == "empty":
+            return empty_result(op, backend, inputs, options)
+        return compare(op, backend, dtype, inputs, options, case.grads, case.upstream, case.used, case.row_upstream)
+
+
+def check_case(op, backend, dtype, case: str, device) -> None:
+    """run_case as a test: an AssertionError naming the case and the tensor that failed."""
+    found = {c.name: c for c in CASES[op]}[case]
+    for m in run_case(op, backend, dtype, found, device):
+        assert m.ok, f"{case_id(op, backend, dtype, case)}: {m.describe()}"
+
+
+def unavailable(op, backend, device, dtype) -> Optional[str]:
+    """None when `backend` can serve `op` on device and dtype here, else why not (from explain where it says)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if backend in dispatch.available_backends(op, device=device, dtype=dtype):
+        return None
+    reason = f"{backend} cannot serve {op} on {device.type} in {dtype_name(dtype)}"
+    try:
+        args, kwargs = sample_call(op, device, dtype)
+        explanation = dispatch.op(op).explain(*args, **kwargs)
+        lines = [line.split("cannot serve: ", 1)[1] for line in explanation.lines
+                 if line.lstrip().startswith((f"{backend} ", f"{backend}:")) and "cannot serve: " in line]
+        if lines:
+            reason += f": {lines[0]}"
+    except Exception:  # the reason is a courtesy; the answer is available_backends'
+        pass
+    return reason
+
+
+# ---------------------------------------------------------------- samples (opcheck, compile, CUDA graphs)
+
+
+def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
+    """The op's smallest call as (args, kwargs): a user-level op's sample case, or its kernel-level sample; tiny
+    shapes on any device. The differentiable arguments of a user-level op require grad."""
+    spec = TABLE.spec(op)
+    small = Inputs(torch.device(device), dtype, **shapes("cpu"))
+    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed_of(spec.name, dtype, "sample"))
+        if spec.name in KERNEL_SAMPLES:
+            return KERNEL_SAMPLES[spec.name](small)
+        case = next(c for c in CASES[spec.name] if c.sample)
+        inputs, options = case.build(small)
+    args = tuple(leaf(v, k in case.grads) if isinstance(v, torch.Tensor) else v for k, v in inputs.items())
+    return args, options
+
+
+def _mutated(op) -> list[int]:
+    """Positions of the parameters an op writes in place (`Tensor(a!)` in its schema)."""
+    parsed = torch._C.parse_schema(TABLE.spec(op).schema_text)
+    return [i for i, a in enumerate(parsed.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _fresh(args: tuple, grad: bool = True) -> tuple:
+    """Copies of the call's tensors (requires_grad kept where grad), so every run starts from the same values."""
+    return tuple(leaf(a, grad and a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _outputs_and_grads(fn, args):
+    """fn(*args)'s outputs, what it wrote in place, and the gradients of its inputs that require grad (each output
+    weighted by its position)."""
+    out = fn(*args)
+    outs = tuple(o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor))
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = ()
+    if leaves:
+        total = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs) if o.requires_grad)
+        grads = torch.autograd.grad(total, leaves)
+    return outs, grads
+
+
+def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
+    """A kernel-level op on its sample against the reference kernel on float64 copies: outputs and what it
+    writes in place."""
+    args, kwargs = sample_call(op, device)
+    mine = _fresh(args, grad=False)
+    theirs = tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()
+                   else a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
+    got = dispatch.op(op, backend=backend)(*mine, **kwargs)
+    try:
+        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+    except InputError:  # an op that takes some tensors in fp32 only (mHC's b): the reference on the same dtypes
+        theirs = _fresh(args, grad=False)
+        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+    pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(*(
+        [t for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, torch.Tensor)] for o in (got, want))))]
+    pairs += [(f"{TABLE.spec(op).schema.names[i]} (written in place)", mine[i], theirs[i]) for i in _mutated(op)]
+    return [measure(name, g.float(), w, TOLERANCE[torch.float32]) for name, g, w in pairs]
+
+
+def check_opcheck(op, backend, device) -> list[Measurement]:
+    """torch.library.opcheck of torch.ops.liger_dispatch.<op>, the backend pinned, on the op's sample."""
+    spec = TABLE.spec(op)
+    args, kwargs = sample_call(op, device)
+    a = spec.schema.bind(args, kwargs)
+    positional, options = spec.schema.call_args(a)
+    options = {k: v for k, v in options.items() if v is not None or k in kwargs}
+    if "need_grads" in spec.extra.names:  # a loss that computes its gradients in the forward pass
+        options["need_grads"] = [getattr(a, n) is not None and getattr(a, n).requires_grad
+                                 for n in spec.differentiable]
+    result = torch.library.opcheck(getattr(torch.ops.liger_dispatch, spec.name).default, positional,
+                                   dict(options, backend=backend))
+    failed = {k: v for k, v in result.items() if v != "SUCCESS"}
+    return [Measurement("opcheck", None if failed else 0.0, 0.0,
+                        f"opcheck: {failed}" if failed else "")]
+
+
+def check_compile(op, backend, device) -> list[Measurement]:
+    """torch.compile(fullgraph=True) of the sample call (and its backward), no graph break, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    args, kwargs = sample_call(op, device)
+    handle = dispatch.op(op, backend=backend)
+    mutated = _mutated(op)
+
+    def call(*a):
+        return handle(*a, **kwargs)
+
+    eager_args = _fresh(args)
+    want, want_grads = _outputs_and_grads(call, eager_args)
+    counters.clear()
+    compiled_args = _fresh(args)
+    torch._dynamo.reset()
+    got, got_grads = _outputs_and_grads(torch.compile(call, fullgraph=True), compiled_args)
+    breaks = dict(counters["graph_break"])
+    if breaks:
+        return [Measurement("graph breaks", None, 0.0, f"graph breaks: {breaks}")]
+    results = [measure(f"compiled output {i}", g, w, COMPILED_TOLERANCE) for i, (g, w) in enumerate(zip(got, want))]
+    results += [measure(f"compiled grad {i}", g, w, COMPILED_TOLERANCE)
+                for i, (g, w) in enumerate(zip(got_grads, want_grads))]
+    results += [measure(f"compiled {TABLE.spec(op).schema.names[i]} (written in place)", compiled_args[i],
+                        eager_args[i], COMPILED_TOLERANCE) for i in mutated]
+    return results
+
+
+def check_cuda_graph(op, backend, device) -> list[Measurement]:
+    """The sample call (forward and backward) captured in a CUDA graph and replayed equals eager."""
+    args, kwargs = sample_call(op, device)
+    handle = dispatch.op(op, backend=backend)
+    mutated = _mutated(op)
+    originals = [args[i].detach().clone() for i in mutated]
+    static = _fresh(args)
+
+    def step():
+        for i, original in zip(mutated, originals):  # an in-place kernel starts from the same values every replay
+            static[i].copy_(original)
+        return _outputs_and_grads(lambda *a: handle(*a, **kwargs), static)
+
+    want, want_grads = _outputs_and_grads(lambda *a: handle(*a, **kwargs), _fresh(args))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture: first-call planning, compilation, allocations
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, got_grads = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return ([measure(f"replayed output {i}", g, w, COMPILED_TOLERANCE) for i, (g, w) in enumerate(zip(got, want))]
+            + [measure(f"replayed grad {i}", g, w, COMPILED_TOLERANCE)
+               for i, (g, w) in enumerate(zip(got_grads, want_grads))])
+
+
+# ---------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One row of a verification: a case (or check) of an op on the backend, and what it measured."""
+
+    op: str
+    backend: str
+    check: str  # conformance, kernel, opcheck, compile, cuda graph
+    case: str
+    dtype: Optional[torch.dtype]
+    status: str  # passed, failed, skipped
+    error: Optional[float] = None
+    tolerance: Optional[float] = None
+    detail: str = ""
+
+    @property
+    def id(self) -> str:
+        if self.check in ("conformance", "kernel"):
+            return case_id(self.op, self.backend, self.dtype, self.case)
+        return f"{self.op}-{self.backend}-{self.check.replace(' ', '_')}"
+
+
+@dataclass
+class VerifyResult:
+    """What `verify` found: one CaseResult per case and check. `passed`: no failure, and something ran."""
+
+    backend: str
+    device: str
+    cases: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if c.status == "failed"]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures and any(c.status == "passed" for c in self.cases)
+
+    def summary(self) -> str:
+        counts = {s: sum(c.status == s for c in self.cases) for s in ("passed", "failed", "skipped")}
+        text = f"{self.backend} on {self.device}: " + ", ".join(f"{n} {s}" for s, n in counts.items())
+        if self.failures:
+            text += "; failing: " + ", ".join(c.id for c in self.failures)
+        elif not counts["passed"]:
+            text += "; nothing could run here, so nothing is verified"
+        return text
+
+    def table(self, console=None) -> None:
+        """Prints the rows (rich) and the summary."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        from rich import box
+
+        table = Table(title=f"liger_dispatch verify: {self.backend} on {self.device}", box=box.SIMPLE_HEAD,
+                      padding=(0, 1, 0, 0))
+        for column in ("op", "check", "case", "dtype", "result", "error", "tolerance"):
+            table.add_column(column, overflow="fold", no_wrap=column != "case")
+        style = {"passed": "green", "failed": "bold red", "skipped": "yellow"}
+        for c in self.cases:
+            table.add_row(c.op, c.check, c.case, dtype_name(c.dtype) if c.dtype else "",
+                          f"[{style[c.status]}]{c.status}[/]", "" if c.error is None else f"{c.error:.2e}",
+                          "" if c.tolerance is None else f"{c.tolerance:.1e}")
+        console.print(table)
+        for c in self.cases:  # the reasons in full, below the table: they do not fit a cell
+            if c.status != "passed":
+                console.print(f"{c.status.upper()} {c.id}: {c.detail}", style=style[c.status], highlight=False,
+                              markup=False)
+        console.print(self.summary(), style="green" if self.passed else "bold red", highlight=False)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _row(op, backend, check, case, dtype, measurements=None, error: Optional[BaseException] = None) -> CaseResult:
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
+        return CaseResult(op, backend, check, case, dtype, "failed", detail=text)
+    m = worst(measurements)
+    return CaseResult(op, backend, check, case, dtype, "passed" if m.ok else "failed", m.error, m.tolerance,
+                      m.name if m.ok else m.describe())
+
+
+@contextlib.contextmanager
+def _strict():
+    """LIGER_STRICT=1 for the block: a pinned backend that falls back is an error, not a silent pass."""
+    saved = os.environ.get("LIGER_STRICT")
+    os.environ["LIGER_STRICT"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["LIGER_STRICT"]
+        else:
+            os.environ["LIGER_STRICT"] = saved
+
+
+def served_ops(backend: str) -> list[str]:
+    """The ops `backend` registers or declares, and the user-level ops it serves through their compositions."""
+    return [op for op in TABLE.op_names() if backend in dispatch.registered_backends(op)]
+
+
+def verify(backend: str, *, device=None, ops: Optional[Sequence[str]] = None, dtypes: Optional[Sequence] = None,
+           checks: Sequence[str] = CHECKS, progress: Optional[Callable[[CaseResult], None]] = None) -> VerifyResult:
+    """Runs the conformance suite on `backend` (registered already, e.g. by importing its module).
+
+    device: "cpu" or "cuda" (default: CUDA when there is one). ops: a subset of the ops it serves (default: all).
+    dtypes: restrict the cases' dtypes. checks: a subset of CHECKS. progress(row) is called as each row is done.
+    Returns a VerifyResult; raises UnknownBackendError for a backend nobody registered, ValueError for an op it
+    does not serve."""
+    from liger_dispatch.capability import default_device
+
+    device = torch.device(default_device() if device is None else device)
+    mine = served_ops(backend)
+    if not mine:
+        known = [b for b in TABLE.backend_names() if any(b in dispatch.registered_backends(o) for o in TABLE.op_names())]
+        raise UnknownBackendError(f"no op has a backend named {backend!r} (import its module first: "
+                                  f"--import MODULE); registered backends: {', '.join(known)}")
+    if ops:
+        names = [TABLE.canonical(o) for o in ops]
+        for name in names:
+            if name not in mine:
+                raise ValueError(f"{backend} serves no {name}; it serves {', '.join(mine)}")
+        mine = [o for o in mine if o in names]
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    result = VerifyResult(backend, str(device))
+
+    def add(row: CaseResult):
+        result.cases.append(row)
+        if progress is not None:
+            progress(row)
+
+    with _strict():
+        for op in mine:
+            _verify_op(op, backend, device, dtypes, checks, add)
+    return result
+
+
+def _verify_op(op, backend, device, dtypes, checks, add) -> None:
+    cases = CASES.get(op, ())
+    if "conformance" in checks:
+        for case in cases:
+            for dtype in case.dtypes_on(device):
+                if dtypes is not None and dtype not in dtypes:
+                    continue
+                why = unavailable(op, backend, device, dtype)
+                if why is not None:
+                    add(CaseResult(op, backend, "conformance", case.name, dtype, "skipped", detail=why))
+                    continue
+                try:
+                    add(_row(op, backend, "conformance", case.name, dtype, run_case(op, backend, dtype, case, device)))
+                except Exception as exc:
+                    add(_row(op, backend, "conformance", case.name, dtype, error=exc))
+    why = unavailable(op, backend, device, torch.float32)
+    if not cases and op not in KERNEL_SAMPLES:
+        add(CaseResult(op, backend, "conformance", "-", None, "skipped",
+                       detail="no cases or sample declared for this op in liger_dispatch.testing"))
+        return
+    checks_here = [c for c in checks if c != "conformance" and (c != "cuda graph" or device.type == "cuda")]
+    if not cases and "conformance" in checks:
+        checks_here.insert(0, "kernel")
+    for check in checks_here:
+        if why is not None:
+            add(CaseResult(op, backend, check, "sample", torch.float32, "skipped", detail=why))
+            continue
+        fn = {"kernel": check_kernel_against_reference, "opcheck": check_opcheck, "compile": check_compile,
+              "cuda graph": check_cuda_graph}[check]
+        try:
+            add(_row(op, backend, check, "sample", torch.float32, fn(op, backend, device)))
+        except Exception as exc:
+            add(_row(op, backend, check, "sample", torch.float32, error=exc))
+
+
+def load_module(name_or_path: str):
+    """Imports a backend's module by dotted name or from a .py file (which registers its implementations)."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(name_or_path)
+    if name_or_path.endswith(".py") or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"--import {name_or_path}: no such file")
+        name = "liger_verify_" + path.stem
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name_or_path)
+
+
+def add_arguments(parser) -> None:
+    """The `verify` subcommand's arguments (python -m liger_dispatch verify)."""
+    parser.add_argument("--backend", required=True, help="the backend to verify (e.g. one your module registers)")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="a module (dotted name or .py file) to import first; it registers the backend")
+    parser.add_argument("--ops", nargs="+", metavar="OP", help="only these ops (default: every op it serves)")
+    parser.add_argument("--checks", nargs="+", choices=CHECKS, metavar="CHECK", default=list(CHECKS),
+                        help=f"only these checks (default: all of {', '.join(CHECKS)})")
+
+
+def run(args, device: str) -> int:
+    """python -m liger_dispatch verify: prints the table; 0 when everything that ran passed, 1 otherwise."""
+    import sys
+
+    from rich.console import Console
+
+    for module in args.imports:
+        try:
+            load_module(module)
+        except Exception as exc:  # the author's module: say which and why, no traceback of ours
+            print(f"liger_dispatch verify: error: --import {module} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 2
+    console = Console()
+    if not console.is_terminal:  # a log: room for the case names
+        console = Console(width=120)
+    try:
+        result = verify(args.backend, device=device, ops=args.ops, checks=args.checks)
+    except (ValueError, LigerDispatchError) as exc:
+        print(f"liger_dispatch verify: error: {exc}", file=sys.stderr)
+        return 2
+    result.table(console)
+    return 0 if result.passed else 1
+
+
+# ================================================================ the op-specific table
+# The cases and samples of each op, keyed by op name. They belong in the op family modules in registry/ (each
+# family declaring its own), and move there as they are free to edit; nothing above names an op.
+
+
+def _flce(**options):
+    def build(m: Inputs):
+        inputs = dict(input=m.randn(m.N, m.H), weight=m.weight(), target=m.labels(m.N, ignored=(1,)))
+        return inputs, options
+    return build
+
+
+def _flce_bias_3d_noncontiguous(m: Inputs):
+    inputs = dict(input=non_contiguous(m.randn(2, 4, m.H)), weight=m.weight(),
+                  target=m.labels(8, ignored=(0, 5)).view(2, 4), bias=m.randn(m.V))
+    return inputs, dict(label_smoothing=0.05)
+
+
+def _flce_rows(rows):
+    def build(m: Inputs):
+        n = max(rows, 3)
+        return dict(input=m.randn(n, m.H), weight=m.weight(), target=m.labels(n, all_ignored=rows == 0)), {}
+    return build
+
+
+def _jsd(beta, temperature, t_squared):
+    def build(m: Inputs):
+        h_t = m.H + 8  # the teacher's hidden size may differ from the student's
+        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(), teacher_input=m.randn(m.N, h_t),
+                      teacher_weight=m.weight(hidden=h_t), shift_labels=m.labels(m.N, ignored=(2,)))
+        return inputs, dict(jsd_beta=beta, temperature=temperature, scale_by_temperature_squared=t_squared)
+    return build
+
+
+def _jsd_no_labels(all_ignored):
+    def build(m: Inputs):
+        inputs = dict(student_input=non_contiguous(m.randn(m.N, m.H)), student_weight=m.weight(),
+                      teacher_input=m.randn(m.N, m.H), teacher_weight=m.weight())
+        if all_ignored:
+            return {**inputs, "shift_labels": m.labels(m.N, all_ignored=True)}, {}
+        return inputs, dict(jsd_beta=0.3)
+    return build
+
+
+def _kl(reduction, log_target, zeros, temperature):
+    def build(m: Inputs):
+        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(),
+                      target=m.kl_target(m.N, log_target, zeros), shift_labels=m.labels(m.N, ignored=(3,)))
+        return inputs, dict(reduction=reduction, log_target=log_target, temperature=temperature)
+    return build
+
+
+def _mhc(which, tmax):
+    def build(m: Inputs):
+        shape = m.mhc_shapes[which]
+        hc, c = shape[-2], shape[-1]
+        n = hc * hc + 2 * hc
+        x = m.randn(*shape)
+        if len(shape) == 4:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+        inputs = dict(x=x, phi=m.randn(hc * c, n, scale=(hc * c) ** -0.5), b=m.randn(n, dtype=torch.float32, scale=0.5),
+                      alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
+        return inputs, dict(tmax=tmax, pre_eps=0.01)
+    return build
+
+
+def _empty(op, with_labels=False, **options):
+    """Zero rows; the differentiable arguments require grad."""
+    def build(m: Inputs):
+        x, w = m.randn(0, m.H), m.randn(m.V, m.H)
+        rows = m.labels(0) if with_labels else None
+        if op in ("flce", "fused_linear_logprobs"):
+            inputs = dict(input=x, weight=w, target=m.labels(0), bias=m.randn(m.V))
+        elif op == "fused_linear_jsd":
+            inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(0, m.H),
+                          teacher_weight=m.randn(m.V, m.H), shift_labels=rows)
+        elif op == "fused_linear_kl_div":
+            inputs = dict(student_input=x, student_weight=w,
+                          target=m.randn(0, m.V, dtype=torch.float32).softmax(-1).to(m.dtype), shift_labels=rows)
+        else:
+            hc, c = m.mhc_shapes[1][-2:]
+            n = hc * hc + 2 * hc
+            inputs = dict(x=m.randn(0, hc, c), phi=m.randn(hc * c, n), b=m.randn(n, dtype=torch.float32),
+                          alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
+        teacher = ("teacher_input", "teacher_weight", "target")  # never differentiated
+        return {k: leaf(v, v.is_floating_point() and k not in teacher) for k, v in inputs.items()
+                if v is not None}, options
+    return build
+
+
+def _fp16_overflow(op, logit_scale, **options):
+    """fp16 buffers hold the gradient scaled up (compose/grad_bounds.py): inputs whose per-logit gradients are
+    far above 1 must not overflow them (or dX) into inf / NaN."""
+    def build(m: Inputs):
+        x, w = m.randn(m.N, m.H), m.weight(scale=logit_scale)
+        if op == "flce":
+            return dict(input=x, weight=w, target=m.labels(m.N, ignored=(1,))), options
+        if op == "fused_linear_jsd":
+            return dict(student_input=x, student_weight=w, teacher_input=m.randn(m.N, m.H, scale=4.0),
+                        teacher_weight=m.weight()), options
+        x = m.randn(m.N, m.H, scale=4.0)  # a confident student: softmax near one-hot
+        return dict(student_input=x, student_weight=w,
+                    target=torch.softmax(m.randn(m.N, m.V, dtype=torch.float32), -1).to(m.dtype)), options
+    return build
+
+
+def _fp16_beyond(op):
+    """Eight rows of activations ~8000 (CE and KL: all pushing one vocabulary row; JSD: reverse KL from a teacher
+    with log-probabilities down to ~-500): d loss / dW passes fp16's 65504 while the gradient after the upstream
+    0.25 does not. It must come back finite and right, as plain autograd gives it (the upstream scales before the
+    GEMM): the forward may not round the gradient of the loss itself to fp16."""
+    def build(m: Inputs):
+        rows, hidden, vocab = 8, 16, 131
+        x = torch.rand(rows, hidden, device=m.device).add_(0.5).mul_(8000.0).to(m.dtype)
+        w = m.randn(vocab, hidden, scale=1e-4)
+        if op == "flce":
+            inputs = dict(input=x, weight=w, target=torch.full((rows,), 3, device=m.device))
+        elif op == "fused_linear_jsd":
+            inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(rows, hidden),
+                          teacher_weight=m.randn(vocab, hidden, scale=32.0))
+        else:
+            target = torch.zeros(rows, vocab, device=m.device).index_fill_(1, torch.tensor([3], device=m.device), 1.0)
+            inputs = dict(student_input=x, student_weight=w, target=target.to(m.dtype))
+        return inputs, (dict(jsd_beta=1.0) if op == "fused_linear_jsd" else dict(reduction="sum"))  # JSD: a mean
+    return build
+
+
+FP16 = (torch.float16,)
+FLCE_OPTIONS = {  # every reduction, and each term of the loss alone and together
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "smoothing": dict(label_smoothing=0.1),
+    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
+    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
+}
+HEAD = ("input", "weight")
+STUDENT = ("student_input", "student_weight")
+MHC_GRADS = ("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res")
+
+def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, **options):
+    def build(m: Inputs):
+        n = 8 if shape is not None else m.N
+        v = m.V if vocab is None else vocab
+        x = m.randn(n, m.H)
+        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored)
+        if shape is not None:  # [..., H] input, non-contiguous
+            x, target = non_contiguous(x.view(*shape, m.H)), target.view(shape)
+        inputs = dict(input=x, weight=m.weight(vocab=v, scale=scale), target=target)
+        if bias:
+            inputs["bias"] = m.randn(v)
+        return inputs, options
+    return build
+
+
+LOGPROBS_BIAS = (*HEAD, "bias")
+
+CASES: dict[str, list[Case]] = {
+    "flce": [
+        *(Case(name, _flce(**options), HEAD, smoke=name == "smoothing", sample=name == "everything")
+          for name, options in FLCE_OPTIONS.items()),
+        Case("bias_3d_noncontiguous", _flce_bias_3d_noncontiguous, (*HEAD, "bias")),
+        Case("single_row", _flce_rows(1), HEAD),
+        Case("all_ignored", _flce_rows(0), HEAD),
+        Case("empty-mean", _empty("flce", reduction="mean"), kind="empty", extra_dtypes=FP16),
+        Case("empty-sum-zloss", _empty("flce", reduction="sum", lse_square_scale=0.1), kind="empty", extra_dtypes=FP16),
+        Case("empty-none", _empty("flce", reduction="none"), kind="empty", extra_dtypes=FP16),
+        Case("fp16-zloss-softcap", _fp16_overflow("flce", 8.0, softcap=20.0, lse_square_scale=0.5, reduction="sum"),
+             HEAD, dtypes=FP16),
+        Case("fp16-zloss-none", _fp16_overflow("flce", 8.0, lse_square_scale=0.5, reduction="none"), HEAD,
+             dtypes=FP16),
+        Case("fp16-grad-beyond-fp16", _fp16_beyond("flce"), HEAD, upstream=0.25, dtypes=FP16),
+    ],
+    "fused_linear_logprobs": [
+        Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),
+        Case("T1-bias", _logprobs(ignored=(0,), bias=True), LOGPROBS_BIAS),
+        Case("T2-no-entropy-grad", _logprobs(ignored=(2,), bias=True, temperature=2.0), LOGPROBS_BIAS, used=(0,)),
+        Case("entropy-grad-only", _logprobs(temperature=1.3), HEAD, used=(1,)),
+        Case("all-ignored", _logprobs(bias=True, all_ignored=True), LOGPROBS_BIAS),
+        Case("3d-noncontiguous", _logprobs(ignored=(0, 5), bias=True, shape=(2, 4), temperature=0.8), LOGPROBS_BIAS),
+        Case("fp16-tiny-upstream", _logprobs(ignored=(1,), bias=True, vocab=1031, scale=1.0), LOGPROBS_BIAS,
+             row_upstream=1e-5, dtypes=FP16),
+        Case("fp16-cold-large-upstream", _logprobs(ignored=(1,), bias=True, scale=6.0, temperature=0.25),
+             LOGPROBS_BIAS, row_upstream=300.0, dtypes=FP16),
+        Case("empty", _empty("fused_linear_logprobs"), kind="empty", extra_dtypes=FP16),
+    ],
+    "fused_linear_jsd": [
+        *(Case(f"beta{beta}-T{t}" + ("-t2" if t2 else ""), _jsd(beta, t, t2), STUDENT,
+               smoke=(beta, t) == (0.5, 2.0), sample=(beta, t) == (0.5, 2.0))
+          for t, t2 in ((1.0, False), (2.0, True), (0.7, False)) for beta in (0.0, 0.5, 1.0)),
+        Case("no_labels_noncontiguous", _jsd_no_labels(False), STUDENT),
+        Case("all_ignored", _jsd_no_labels(True), STUDENT),
+        Case("empty", _empty("fused_linear_jsd", jsd_beta=0.5), kind="empty", extra_dtypes=FP16),
+        Case("empty-forward-kl-labels", _empty("fused_linear_jsd", jsd_beta=0.0, with_labels=True), kind="empty",
+             extra_dtypes=FP16),
+        Case("fp16-cold", _fp16_overflow("fused_linear_jsd", 1.0, jsd_beta=0.0, temperature=0.05), STUDENT,
+             dtypes=FP16),
+        Case("fp16-reverse-cold", _fp16_overflow("fused_linear_jsd", 1.0, jsd_beta=1.0, temperature=0.25), STUDENT,
+             dtypes=FP16),
+        Case("fp16-grad-beyond-fp16", _fp16_beyond("fused_linear_jsd"), STUDENT, upstream=0.25, dtypes=FP16),
+    ],
+    "fused_linear_kl_div": [
+        *(Case(f"{reduction}-{kind}-T{t}", _kl(reduction, log_target, zeros, t), STUDENT,
+               smoke=(reduction, kind) == ("batchmean", "zeros"), sample=(reduction, kind) == ("batchmean", "zeros"))
+          for kind, log_target, zeros, t in (("zeros", False, True, 1.0), ("log_target", True, False, 2.0),
+                                             ("probs", False, False, 0.5))
+          for reduction in ("batchmean", "mean", "sum")),
+        Case("empty-batchmean", _empty("fused_linear_kl_div", reduction="batchmean"), kind="empty", extra_dtypes=FP16),
+        Case("empty-mean-labels", _empty("fused_linear_kl_div", reduction="mean", with_labels=True), kind="empty",
+             extra_dtypes=FP16),
+        Case("empty-sum-log_target", _empty("fused_linear_kl_div", reduction="sum", log_target=True), kind="empty",
+             extra_dtypes=FP16),
+        # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
+        Case("fp16-unnormalized", _fp16_overflow("fused_linear_kl_div", 1.0, log_target=True, reduction="sum"),
+             STUDENT, dtypes=FP16),
+        Case("fp16-grad-beyond-fp16", _fp16_beyond("fused_linear_kl_div"), STUDENT, upstream=0.25, dtypes=FP16),
+    ],
+    "mhc_coeffs": [
+        Case("2x3x4x8-tmax3", _mhc(0, 3), MHC_GRADS, smoke=True, sample=True),
+        Case("5x2x8-tmax1", _mhc(1, 1), MHC_GRADS),
+        Case("5x2x8-tmax20", _mhc(1, 20), MHC_GRADS),
+        Case("empty", _empty("mhc_coeffs"), kind="empty", extra_dtypes=FP16),
+    ],
+}
+
+
+def _labels(m: Inputs, rows=6, vocab=40):
+    return m.labels(rows, vocab, ignored=(1,))
+
+
+def _ce_sample(m):
+    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(grad_scale=torch.rand(6, device=m.device) + 0.1,
+                                                         label_smoothing=0.1)
+
+
+def _jsd_sample(m):
+    return (m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)), dict(beta=0.3, temperature=2.0)
+
+
+def _kl_sample(m):
+    return (m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), dict(temperature=1.5)
+
+
+def _mhc_fwd_sample(m):
+    hc, c = 4, 8
+    n = hc * hc + 2 * hc
+    rows = m.randn(6, hc * c)
+    return (rows, m.randn(hc * c, n, scale=0.1), m.randn(n, dtype=torch.float32), m.scalar(0.5), m.scalar(0.7),
+            m.scalar(0.9)), dict(hc=hc, tmax=3)
+
+
+def _mhc_bwd_sample(m):
+    args, kwargs = _mhc_fwd_sample(m)
+    *_, mix, rstd = dispatch.op("mhc_coeff_fwd", backend="reference")(*args, **kwargs)
+    grads = (m.randn(6, 4, dtype=torch.float32), None, m.randn(6, 4, 4, dtype=torch.float32))
+    return (*args, mix, rstd, *grads), kwargs
+
+
+KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
+    "ce_loss_and_grad": _ce_sample,
+    "jsd_loss_and_grad": _jsd_sample,
+    "kl_div_loss_and_grad": _kl_sample,
+    "mhc_coeff_fwd": _mhc_fwd_sample,
+    "mhc_coeff_bwd": _mhc_bwd_sample,
+    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)), dict(vocab_start=30)),
+    "jsd_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)),
+                               dict(temperature=2.0)),
+    "kl_div_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), {}),
+    "logprobs_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m)), dict(temperature=1.5)),
+}
+
+
+def _ce_vp_grad(m):
+    logits, target = m.randn(6, 40, scale=4.0), _labels(m, vocab=80)
+    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30)
+    return (logits, target, stats[:, 0].contiguous()), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1)
+
+
+def _jsd_vp(which):
+    def build(m):
+        s, t, labels = m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)
+        lse = dispatch.op("jsd_vp_stats", backend="reference")(s, t, labels)
+        if which == "sums":
+            return (s, t, lse, labels), dict(beta=0.3)
+        sums = dispatch.op("jsd_vp_sums", backend="reference")(s, t, lse, labels, beta=0.3)
+        return (s, t, lse, sums, labels), dict(beta=0.3)
+    return build
+
+
+def _kl_vp_grad(m):
+    s, target, labels = m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)
+    stats = dispatch.op("kl_div_vp_stats", backend="reference")(s, target, labels)
+    return (s, target, stats[:, 0].contiguous(), stats[:, 1].contiguous(), labels), {}
+
+
+def _logprobs_grad(m):
+    logits, target = m.randn(6, 40, scale=4.0), _labels(m)
+    stats = dispatch.op("logprobs_stats", backend="reference")(logits, target, temperature=1.5)
+    return (logits, target, stats, m.randn(6, dtype=torch.float32), m.randn(6, dtype=torch.float32)), \
+        dict(temperature=1.5)
+
+
+KERNEL_SAMPLES.update(ce_vp_grad=_ce_vp_grad, jsd_vp_sums=_jsd_vp("sums"), jsd_vp_grad=_jsd_vp("grad"),
+                      kl_div_vp_grad=_kl_vp_grad, logprobs_grad=_logprobs_grad)
