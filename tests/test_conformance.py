@@ -69,7 +69,7 @@ def test_mhc_coeffs(op, backend, dtype, case):
 
 
 def test_every_user_level_op_has_cases():
-    assert set(testing.CASES) == {"flce", "fused_linear_jsd", "fused_linear_kl_div", "mhc_coeffs"}
+    assert set(testing.CASES) == {"flce", "fused_linear_jsd", "fused_linear_kl_div", "fused_linear_logprobs", "mhc_coeffs"}
     for op, op_cases in testing.CASES.items():
         assert sum(c.sample for c in op_cases) == 1, f"{op}: one sample case"
 
