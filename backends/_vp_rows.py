@@ -1,4 +1,4 @@
-"""Host-side prologue the vocab-parallel wrappers of every backend share (issue 11)."""
+"""Host-side prologue the vocab-parallel wrappers of every backend share."""
 
 from typing import Optional
 

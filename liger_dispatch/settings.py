@@ -112,7 +112,8 @@ _MISSING = object()
 _BOOLEAN = "one of 0/false/no/off or 1/true/yes/on (any case)"
 
 STRICT = Setting("LIGER_STRICT", boolean, _BOOLEAN, False,
-                 "a fallback becomes an error (BackendUnavailableError) instead of a FallbackWarning")
+                 "a call that would fall back raises BackendUnavailableError instead (unset: it falls back, with "
+                 "one FallbackWarning per (op, backend, reason))")
 CHECKS = Setting("LIGER_CHECKS", lambda raw: _choice(raw, ("device", "full")), "device (default) or full",
                  "device", "where value checks run on an accelerator: device-side asserts, or full host checks "
                  "with a Python error (a sync per call; debugging)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,6 +17,9 @@ def tensor(name: str, value, *, ndim: Optional[int] = None, min_ndim: int = 0, f
            integer: bool = False) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise InputError(f"{name} is a {value.layout} tensor; the ops take dense (strided) tensors: pass "
+                         f"{name}.to_dense()")
     if ndim is not None and value.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
     if value.dim() < min_ndim:
@@ -29,6 +33,8 @@ def tensor(name: str, value, *, ndim: Optional[int] = None, min_ndim: int = 0, f
 
 def same_device(**tensors) -> None:
     items = [(k, v) for k, v in tensors.items() if v is not None]
+    for name, value in items:
+        tensor(name, value)
     first_name, first = items[0]
     for name, value in items[1:]:
         if value.device != first.device:
@@ -52,24 +58,50 @@ def rows(name: str, count: int, n: int, what: str = "number of rows") -> None:
         raise InputError(f"{name}: {what} is {count} but the input has {n} rows")
 
 
+def leading_shape(name: str, shape: torch.Size, input_name: str, input: torch.Tensor, what: str = "shape") -> None:
+    """One entry of `name` per row of `input` [..., H]: `shape` is input's leading shape, or that flattened to [N].
+
+    As torch's cross-entropy sees it: F.cross_entropy on [B, T, V] logits flattened to [B*T, V] takes a target of
+    [B*T]; a target of the input's own leading shape [B, T] is the same rows in the same order. Any other shape
+    of the same element count ([2, 4] for 8 rows) pairs rows by accident, so it is an error, as it is in torch.
+    """
+    lead = input.shape[:-1]
+    n = lead.numel()
+    if tuple(shape) == tuple(lead) or tuple(shape) == (n,):
+        return
+    expected = f"{list(lead)}" + ("" if len(lead) == 1 else f" or {[n]}")
+    raise InputError(f"{name}: {what} is {list(shape)}, expected {expected} ({input_name} has shape "
+                     f"{list(input.shape)}: one entry per row of [..., H])")
+
+
 def choice(name: str, value, options: tuple) -> None:
     if value not in options:
         raise InputError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
 
 
+def _number(value) -> bool:
+    """A finite int or float; a bool is not a number here (label_smoothing=True is a mistake, not 1.0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def in_range(name: str, value, low: float, high: float) -> None:
-    if not isinstance(value, (int, float)) or not (low <= value <= high):
+    if not _number(value) or not (low <= value <= high):
         raise InputError(f"{name} must be a number in [{low}, {high}], got {value!r}")
 
 
 def positive(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or not value > 0:
-        raise InputError(f"{name} must be > 0, got {value!r}")
+    if not _number(value) or not value > 0:
+        raise InputError(f"{name} must be > 0 and finite, got {value!r}")
 
 
 def non_negative(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or not value >= 0:
-        raise InputError(f"{name} must be >= 0, got {value!r}")
+    if not _number(value) or not value >= 0:
+        raise InputError(f"{name} must be >= 0 and finite, got {value!r}")
+
+
+def boolean(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be True or False, got {value!r}")
 
 
 def integer(name: str, value) -> None:
@@ -100,6 +132,9 @@ def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int
 def grad_scale(value, n_rows: int) -> None:
     if value is None:
         return
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"grad_scale must be a float32 tensor of shape [] or [{n_rows}], got "
+                         f"{type(value).__name__} {value!r} (a number: torch.tensor({value!r}))")
     tensor("grad_scale", value)
     if value.dtype != torch.float32 or not (value.dim() == 0 or tuple(value.shape) == (n_rows,)):
         raise InputError(f"grad_scale must be a float32 tensor of shape [] or [{n_rows}], "

@@ -49,21 +49,21 @@ def _options(a):
 
 
 def check_flce(a):
-    n, vocab = heads.head("input", a.input, "weight", a.weight)
+    _, vocab = heads.head("input", a.input, "weight", a.weight)
     c.tensor("target", a.target, integer=True)
-    heads.bias("bias", a.bias, vocab)
+    heads.bias("bias", a.bias, vocab, "input", a.input)
     c.same_device(input=a.input, weight=a.weight, target=a.target, bias=a.bias)
     c.choice("reduction", a.reduction, ("mean", "sum", "none"))
     _options(a)
-    heads.labels("target", a.target, n)
+    heads.row_labels("target", a.target, "input", a.input)
     heads.accum_dtype(a.accum_dtype)
 
 
 def check_ce_loss_and_grad(a):
     n, _ = heads.logits("logits", a.logits)
     c.tensor("target", a.target, ndim=1, integer=True)
-    c.same_device(logits=a.logits, target=a.target, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(logits=a.logits, target=a.target, grad_scale=a.grad_scale)
     _options(a)
     heads.labels("target", a.target, n)
 
@@ -89,8 +89,8 @@ def check_ce_vp_grad(a):
     check_ce_vp_stats(a)
     n = a.logits.shape[0]
     heads.row_stats("lse", a.lse, n, None)
-    c.same_device(logits=a.logits, lse=a.lse, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(logits=a.logits, lse=a.lse, grad_scale=a.grad_scale)
     c.integer("vocab_size", a.vocab_size)
     if a.vocab_size != 0 and a.vocab_size < a.vocab_start + a.logits.shape[1]:
         raise InputError(f"vocab_size is {a.vocab_size} but the slice ends at column "

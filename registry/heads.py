@@ -28,6 +28,8 @@ def head(input_name, input, weight_name, weight):
         raise InputError(f"{weight_name} has shape {tuple(weight.shape)} but must be [V, H] (vocabulary, hidden; "
                          f"{input_name}'s H is {input.shape[-1]}), as lm_head.weight is: was it passed transposed?")
     c.dim_equals(input_name, input.shape[-1], weight.shape[1], "hidden size (last dim)", f"{weight_name}'s dim 1")
+    if input.shape[-1] == 0:
+        raise InputError(f"{input_name} has shape {tuple(input.shape)}: its hidden size (last dim) is 0")
     return input.shape[:-1].numel(), weight.shape[0]
 
 
@@ -36,11 +38,12 @@ def accum_dtype(value):
         raise InputError(f"accum_dtype must be None (the weight's dtype) or torch.float32, got {value!r}")
 
 
-def bias(name, value, vocab):
-    """An optional bias [V] of an LM head of V classes."""
+def bias(name, value, vocab, input_name, input):
+    """An optional bias [V] of an LM head of V classes, in the input's dtype (as F.linear takes it)."""
     if value is not None:
         c.tensor(name, value, ndim=1, floating=True)
         c.dim_equals(name, value.shape[0], vocab, "length")
+        c.same_dtype(input_name, input, name, value)
 
 
 def target_classes(a):
@@ -51,11 +54,20 @@ def target_classes(a):
 
 
 def labels(name, value, n):
-    """Optional per-row labels: an integer tensor with one entry per row."""
+    """Optional labels of a [C, V] chunk: an integer tensor [C]."""
+    if value is None:
+        return
+    c.tensor(name, value, ndim=1, integer=True)
+    c.rows(name, value.numel(), n, "number of labels")
+
+
+def row_labels(name, value, input_name, input):
+    """Optional labels of a user-level op's input [..., H]: an integer tensor of its leading shape, or that
+    flattened (checks.leading_shape)."""
     if value is None:
         return
     c.tensor(name, value, integer=True)
-    c.rows(name, value.numel(), n, "number of labels")
+    c.leading_shape(name, value.shape, input_name, input)
 
 
 def logits(name, value):

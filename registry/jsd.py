@@ -52,15 +52,16 @@ def check_fused_linear_jsd(a):
                   teacher_weight=a.teacher_weight, shift_labels=a.shift_labels)
     c.in_range("jsd_beta", a.jsd_beta, 0.0, 1.0)
     c.positive("temperature", a.temperature)
+    c.boolean("scale_by_temperature_squared", a.scale_by_temperature_squared)
     c.integer("ignore_index", a.ignore_index)
-    heads.labels("shift_labels", a.shift_labels, n)
+    heads.row_labels("shift_labels", a.shift_labels, "student_input", a.student_input)
     heads.accum_dtype(a.accum_dtype)
 
 
 def check_kernel(a):
     n = heads.student_and("teacher_logits", a)
-    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
     c.in_range("beta", a.beta, 0.0, 1.0)
 
 
@@ -79,8 +80,8 @@ def check_vp_grad(a):
     check_vp_sums(a)
     n = a.student_logits.shape[0]
     heads.row_stats("sums", a.sums, n, 2)
-    c.same_device(student_logits=a.student_logits, sums=a.sums, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(student_logits=a.student_logits, sums=a.sums, grad_scale=a.grad_scale)
 
 
 def probe(a):

@@ -46,38 +46,43 @@ def check_fused_linear_kl_div(a):
     if a.reduction == "none":
         raise InputError("reduction='none' is not supported by fused_linear_kl_div: the gradient is produced in the "
                          "forward pass chunk by chunk and needs a scalar loss; use 'batchmean', 'mean' or 'sum'")
-    n, vocab = heads.head("student_input", a.student_input, "student_weight", a.student_weight)
+    _, vocab = heads.head("student_input", a.student_input, "student_weight", a.student_weight)
     c.tensor("target", a.target, min_ndim=1, floating=True)
     c.dim_equals("target", a.target.shape[-1], vocab, "last dim (vocabulary size)", "student_weight's dim 0")
-    c.rows("target", a.target.shape[:-1].numel(), n)
+    c.leading_shape("target", a.target.shape[:-1], "student_input", a.student_input,
+                    "leading shape (all but the last dim)")
     c.same_device(student_input=a.student_input, student_weight=a.student_weight, target=a.target,
                   shift_labels=a.shift_labels)
     c.choice("reduction", a.reduction, ("batchmean", "mean", "sum"))
     c.positive("temperature", a.temperature)
     c.non_negative("eps", a.eps)
+    c.boolean("log_target", a.log_target)
     c.integer("ignore_index", a.ignore_index)
-    heads.labels("shift_labels", a.shift_labels, n)
+    heads.row_labels("shift_labels", a.shift_labels, "student_input", a.student_input)
     heads.accum_dtype(a.accum_dtype)
 
 
 def check_kernel(a):
     n = heads.student_and("target", a)
-    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
     c.non_negative("eps", a.eps)
+    c.boolean("log_target", a.log_target)
 
 
 def check_vp_stats(a):
     heads.student_and("target", a)
     c.non_negative("eps", a.eps)
+    c.boolean("log_target", a.log_target)
 
 
 def check_vp_grad(a):
     n = heads.student_and("target", a)
     heads.row_stats("lse", a.lse, n, None)
     heads.row_stats("target_sum", a.target_sum, n, None)
-    c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)
+    c.boolean("log_target", a.log_target)
     c.grad_scale(a.grad_scale, n)
+    c.same_device(student_logits=a.student_logits, lse=a.lse, target_sum=a.target_sum, grad_scale=a.grad_scale)
 
 
 def target_probabilities(a):

@@ -96,10 +96,9 @@ def fake_stats(a):
 
 
 def check_user_op(a):
-    n, vocab = heads.head("input", a.input, "weight", a.weight)
-    c.tensor("target", a.target, integer=True)
-    heads.labels("target", a.target, n)
-    heads.bias("bias", a.bias, vocab)
+    _, vocab = heads.head("input", a.input, "weight", a.weight)
+    heads.row_labels("target", a.target, "input", a.input)
+    heads.bias("bias", a.bias, vocab, "input", a.input)
     c.same_device(input=a.input, weight=a.weight, target=a.target, bias=a.bias)
     c.positive("temperature", a.temperature)
     c.integer("ignore_index", a.ignore_index)

@@ -61,6 +61,8 @@ def _options(a):
 
 def check_mhc_coeffs(a):
     c.tensor("x", a.x, min_ndim=2, floating=True)
+    if a.x.shape[-1] == 0:
+        raise InputError(f"x has shape {tuple(a.x.shape)}: its channel count C (last dim) is 0")
     hc = _params("x", a, None, a.x.shape[-2] * a.x.shape[-1])
     if a.x.shape[-2] != hc:
         raise InputError(f"x has {a.x.shape[-2]} streams (dim -2) but phi's {a.phi.shape[1]} columns mean HC = {hc}")
@@ -69,6 +71,8 @@ def check_mhc_coeffs(a):
 
 def check_mhc_coeff_fwd(a):
     c.tensor("x", a.x, ndim=2, floating=True)
+    if a.x.shape[1] == 0:
+        raise InputError(f"x has shape {tuple(a.x.shape)}: its row length HC*C (dim 1) is 0")
     _params("x", a, a.hc, a.x.shape[1])
     _options(a)
 

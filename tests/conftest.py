@@ -6,7 +6,7 @@ import tempfile
 
 import torch
 
-# A compile cache of this session's own: inductor's shared one in /tmp can hold graphs of another checkout's ops.
+# A compile cache of the test run's own: inductor's shared one in /tmp can hold graphs of another checkout's ops.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="liger-dispatch-inductor-"))
 
 if not torch.cuda.is_available() and os.environ.get("HELION_INTERPRET") != "1":

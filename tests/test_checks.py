@@ -46,7 +46,7 @@ BAD = [
                                                          r"\(weight's dim 1\)$"),
     ("flce", flce_args(weight=torch.randn(H, V)), {}, rf"^weight has shape \({H}, {V}\) but must be \[V, H\] "
                                                      rf"\(vocabulary, hidden; input's H is {H}\).*transposed"),
-    ("flce", flce_args(target=torch.randint(0, V, (N + 1,))), {}, r"target: number of labels"),
+    ("flce", flce_args(target=torch.randint(0, V, (N + 1,))), {}, rf"^target: shape is \[{N + 1}\], expected \[{N}\]"),
     ("flce", flce_args(target=torch.randn(N)), {}, r"target must be an integer tensor"),
     ("flce", flce_args(weight=torch.randn(V, H, dtype=torch.float16)), {}, r"weight has dtype torch.float16"),
     ("flce", flce_args(weight=torch.randn(V, H, device="meta")), {}, r"weight is on meta"),
@@ -66,7 +66,8 @@ BAD = [
     ("fused_linear_jsd", jsd_args(teacher_weight=torch.randn(V + 2, H)), {},
      rf"^teacher_weight: vocabulary size \(dim 0\) is {V + 2}, expected {V} \(student_weight's\)$"),
     ("fused_linear_jsd", jsd_args(teacher_weight=torch.randn(H, V)), {}, r"^teacher_weight has shape .*transposed"),
-    ("fused_linear_jsd", jsd_args(shift_labels=torch.zeros(N - 1, dtype=torch.long)), {}, r"shift_labels: number"),
+    ("fused_linear_jsd", jsd_args(shift_labels=torch.zeros(N - 1, dtype=torch.long)), {},
+     rf"^shift_labels: shape is \[{N - 1}\], expected \[{N}\]"),
     ("fused_linear_kl_div", kl_args(), dict(reduction="none"), r"reduction='none' is not supported"),
     ("fused_linear_kl_div", kl_args(), dict(reduction="elementwise"), r"reduction must be one of"),
     ("fused_linear_kl_div", kl_args(target=torch.rand(N, V + 1)), {}, r"target: last dim"),

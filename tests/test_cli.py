@@ -28,7 +28,7 @@ def test_matrix_fits_the_terminal_and_names_the_interpreters_on_the_cpu(capsys, 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("HELION_INTERPRET", raising=False)
     monkeypatch.setenv("LIGER_BACKEND_FLCEE", "triton")
-    for columns in (90, 250):
+    for columns in (80, 90, 250):
         monkeypatch.setenv("COLUMNS", str(columns))
         assert cli.main(["--device", "cpu"]) == 0
         out = capsys.readouterr().out
@@ -37,6 +37,30 @@ def test_matrix_fits_the_terminal_and_names_the_interpreters_on_the_cpu(capsys, 
     assert dispatch.backend_status("flce", "cpu", torch.float32)["triton"].endswith(
         "(runs on the CPU under TRITON_INTERPRET=1)")
     assert "LIGER_BACKEND_FLCEE is not a variable liger-dispatch reads" in out
+
+
+def test_matrix_at_80_columns_is_one_line_per_op_with_whole_names_and_each_reason_once(capsys, monkeypatch):
+    """The non-TTY default width: no op or backend name split, a short word per cell, each reason once below."""
+    from liger_dispatch.core.table import TABLE
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ops = [name for name in TABLE.op_names() if not TABLE.spec(name).internal]  # the machinery's own: not shown
+    backends = TABLE.backend_names()
+    header = next(line for line in lines if line.split()[:1] == ["op"])
+    assert header.split() == ["op", *backends]  # every backend name whole, on one line
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.split()[:1] and line.split()[0] in ops}
+    assert set(rows) == set(ops)  # every op name whole at the start of its row
+    assert all(len(cells) == len(backends) for cells in rows.values())  # one line per op: a word per cell
+    notes = [line for line in lines if line.startswith("(")]
+    assert notes and all(cell in ("available", "-") or cell in {n.split()[0] for n in notes}
+                         for cells in rows.values() for cell in cells)
+    _, reasons = cli.matrix_rows("cpu", torch.float32)
+    assert len(set(reasons)) == len(reasons) == len(notes)  # each reason once
+    table_end = lines.index(notes[0])
+    assert table_end <= len(ops) + 8, "\n".join(lines[:table_end])
 
 
 @pytest.mark.parametrize("argv,problem", [

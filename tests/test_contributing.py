@@ -1,5 +1,6 @@
-"""CONTRIBUTING.md's "Add a backend" walk-through, run as written: it registers, serves the user-level op through
-dispatch, and agrees with the reference."""
+"""The code in the docs, run as written: README.md's quickstart, and CONTRIBUTING.md's "Add a backend" walk-through
+(it registers, serves the user-level op through dispatch, and agrees with the reference); the README's test command
+is the one .ci/run runs."""
 
 import re
 from pathlib import Path
@@ -9,14 +10,31 @@ import torch
 from liger_dispatch import dispatch
 from kernel_checks import assert_rel_close
 
-CONTRIBUTING = Path(__file__).parents[1] / "CONTRIBUTING.md"
+ROOT = Path(__file__).parents[1]
+CONTRIBUTING, README = ROOT / "CONTRIBUTING.md", ROOT / "README.md"
 
 
-def section_code(title: str) -> str:
-    """The python code blocks of the markdown section `## title`, joined in order."""
-    text = CONTRIBUTING.read_text()
+def section_code(title: str, doc: Path = CONTRIBUTING, language: str = "python") -> str:
+    """The code blocks of the markdown section `## title` of `doc`, joined in order."""
+    text = doc.read_text()
     section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    return "\n".join(re.findall(rf"```{language}\n(.*?)```", section, re.S))
+
+
+def test_readme_quickstart_runs_as_pasted(capsys):
+    """Self-contained: every name it uses is defined in it (a fresh namespace), and its numbers are torch's."""
+    exec(compile(section_code("Quickstart", README), str(README), "exec"), {})
+    out = capsys.readouterr().out
+    flce, torch_ce = re.search(r"flce (\S+), torch (\S+)", out).groups()
+    assert abs(float(flce) - float(torch_ce)) < 1e-4
+    assert "SELECTED" in out and "usable here, best first: [" in out
+
+
+def test_readme_test_command_is_what_ci_runs():
+    command = section_code("Two commands on a fresh machine", README, "bash").strip().splitlines()[-1]
+    assert command.startswith("pip install -q ") and command.endswith("python -m pytest -q")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == command
 
 
 def test_add_a_backend_example_registers_and_serves_flce(isolated_table, capsys):

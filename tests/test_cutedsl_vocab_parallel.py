@@ -1,4 +1,4 @@
-"""The CuTeDSL vocab-parallel kernels (issue 11).
+"""The CuTeDSL vocab-parallel kernels.
 
 On the CPU: every kernel variant compiles for sm_90a without spills; each wrapper's launches pass TVM-FFI's
 argument checks (a child process, as in test_cutedsl_kernels.py); empty slices launch nothing. Their results on a

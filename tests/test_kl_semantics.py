@@ -229,7 +229,7 @@ def test_fused_linear_unnormalized_log_target_within_twice_torch_error(backend, 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vocab_parallel_ops_bad_targets_as_torch(backend):
     """kl_div_vp_stats / kl_div_vp_grad on one slice (the whole vocabulary): loss = q log q - q s + lse Q per row
-    (liger_dispatch/compose/vocab_parallel.py), NaN where torch's is, gradient as torch's."""
+    (registry/kl_div.py: loss_rows), NaN where torch's is, gradient as torch's."""
     from liger_dispatch.registry.kl_div import loss_rows as kl_div_rows
 
     cases = probability_cases()

@@ -1,4 +1,4 @@
-"""The empty-slice check of a backend's vocab-parallel kernel-level ops (issue 11), shared by the registry-driven
+"""The empty-slice check of a backend's vocab-parallel kernel-level ops, shared by the registry-driven
 suite (tests/test_vocab_parallel_kernels.py) and the CuTeDSL one, which runs it on the CPU with every compile
 cache poisoned: an empty slice must launch nothing."""
 

@@ -1,4 +1,4 @@
-"""Vocab-parallel CE, JSD and KL as CuTeDSL kernels (issue 11): per-row statistics of this rank's vocabulary
+"""Vocab-parallel CE, JSD and KL as CuTeDSL kernels: per-row statistics of this rank's vocabulary
 slice, and the gradient pass that takes the statistics combined over ranks. One CTA per row, as ce.py / jsd.py /
 kl_div.py, each kernel one of their row passes:
     ce:     stats  = CrossEntropyKernel.softmax_state (+ the target's logit where this slice owns it)

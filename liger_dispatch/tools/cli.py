@@ -69,36 +69,74 @@ def summary(op: str, device: str, dtype: torch.dtype) -> str:
     return f"{op}: {asked}: falls back to [bold]{served}[/bold] ({why})"
 
 
-def matrix(device: str, dtype: torch.dtype) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
-    import liger_dispatch as ld
-    from liger_dispatch.dispatch import backend_status
+# A cell of the matrix is one short word; a reason is a numbered note printed once below the table.
+AVAILABLE, NOT_REGISTERED = "available", "-"
+
+
+def matrix_rows(device: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """(rows, notes): per op (level, name, one cell per backend), the cells "available", "-" (no implementation
+    registered) or "(k)", the k-th of `notes` (each distinct reason once, in order of first appearance)."""
     from liger_dispatch.core.table import TABLE
+    from liger_dispatch.dispatch import backend_status
 
-    console = Console()
     backends = TABLE.backend_names()
-    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "no GPU"
-    table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}",
-                  show_lines=True)
-    table.add_column("op", overflow="fold")
-    for backend in backends:
-        table.add_column(backend, overflow="fold")
+    notes: list[str] = []
+    rows = []
     for level in ("user", "kernel"):
         for name in (n for n in TABLE.op_names(level) if not TABLE.spec(n).internal):
             status = backend_status(name, device, dtype)
             cells = []
             for backend in backends:
                 if backend not in status:
-                    cells.append("[dim]-[/dim]")
+                    cells.append(NOT_REGISTERED)
                 elif status[backend] is None:
-                    cells.append("[green]available[/green]")
+                    cells.append(AVAILABLE)
                 else:
-                    cells.append(f"[yellow]{_short(status[backend])}[/yellow]")
-            label = name + ("" if level == "user" else " [dim](kernel)[/dim]")
-            table.add_row(f"{label}\n[dim]{TABLE.spec(name).summary}[/dim]", *cells)
+                    reason = _short(status[backend])
+                    if reason not in notes:
+                        notes.append(reason)
+                    cells.append(f"({notes.index(reason) + 1})")
+            rows.append((level, name, cells))
+    return rows, notes
+
+
+def matrix(device: str, dtype: torch.dtype) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    import liger_dispatch as ld
+    from liger_dispatch.core.table import TABLE
+
+    console = Console()
+    backends = TABLE.backend_names()
+    rows, notes = matrix_rows(device, dtype)
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") else "no GPU"
+    table = Table(title=f"liger-dispatch backends on {device} ({gpu}), {dtype_name(dtype)}", box=box.SIMPLE_HEAD,
+                  title_justify="left", pad_edge=False)
+    op_width = max(len(name) for _, name, _ in rows)
+    table.add_column("op", no_wrap=True, min_width=op_width)
+    widths = [max(len(b), len(AVAILABLE), *(len(cells[i]) for _, _, cells in rows)) for i, b in enumerate(backends)]
+    for backend, width in zip(backends, widths):
+        table.add_column(backend, no_wrap=True, min_width=width)
+    summaries = {name: TABLE.spec(name).summary for _, name, _ in rows}
+    spare = console.width - (op_width + sum(widths) + 3 * (len(backends) + 1))
+    with_summary = spare >= max(map(len, summaries.values()))  # on one line each, or not at all
+    if with_summary:
+        table.add_column("what", no_wrap=True, style="dim")
+    style = {AVAILABLE: "green", NOT_REGISTERED: "dim"}
+    for i, (level, name, cells) in enumerate(rows):
+        if level == "kernel" and rows[i - 1][0] == "user":
+            table.add_section()
+            table.add_row("[dim]kernel-level ops[/dim]", *([""] * (len(backends) + with_summary)))
+        styled = [f"[{style.get(cell, 'yellow')}]{cell}[/]" for cell in cells]
+        table.add_row(name, *styled, *((summaries[name],) if with_summary else ()))
     console.print(table)
+    for k, note in enumerate(notes, 1):
+        console.print(f"[yellow]({k})[/yellow] {note}", highlight=False)
+    if NOT_REGISTERED in (cell for _, _, cells in rows for cell in cells):
+        console.print(f"{NOT_REGISTERED}: the backend registers no implementation of this op", highlight=False)
     for name in TABLE.op_names("user"):
         console.print(summary(name, device, dtype), highlight=False)
         console.print(f"[dim]  {name}{TABLE.spec(name).schema.describe()}[/dim]", highlight=False)

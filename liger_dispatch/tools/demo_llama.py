@@ -6,8 +6,10 @@ Prints the losses, checks the first step against the unpatched model, and writes
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -16,6 +18,9 @@ from liger_dispatch.capability import dtype_name
 
 HARD_LABEL_WEIGHT = 0.5  # the distillation's alpha: alpha * CE + (1 - alpha) * JSD
 SUCCESSORS = 4  # each token of the synthetic language is followed by one of this many tokens
+# The PNG goes to the temp dir unless asked otherwise: the demo runs from any directory (a fresh clone, the user's
+# own project) and should leave no untracked file in that working tree; it prints where it wrote.
+DEFAULT_PNG = Path(tempfile.gettempdir()) / "liger-dispatch-demo.png"
 
 
 def sizes(on_gpu: bool) -> dict:
@@ -61,12 +66,12 @@ class MarkovLanguage:
 
 
 def run(steps: int = 60, device: str = "cpu", dtype: torch.dtype = torch.float32, distill: str = "jsd",
-        png: Path = Path("liger-dispatch-demo.png")) -> int:
+        png: Optional[Path] = None) -> int:
     threads = torch.get_num_threads()
     if not device.startswith("cuda"):  # shapes this small gain nothing from a second thread, and lose 10x on a
         torch.set_num_threads(1)      # busy 2-core machine
     try:
-        return _run(steps, device, dtype, distill, png)
+        return _run(steps, device, dtype, distill, DEFAULT_PNG if png is None else png)
     finally:
         torch.set_num_threads(threads)
 

@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="training steps (default: 60 per phase for llama, 30 for mhc)")
     parser.add_argument("--loss", default="jsd", choices=["jsd", "kl"],
                         help="distillation loss (llama: kl is TRL's beta = 0, forward KL from the teacher's head)")
-    parser.add_argument("--png", type=Path, default=Path("liger-dispatch-demo.png"),
-                        help="where the llama demo writes its loss curves")
+    parser.add_argument("--png", type=Path, help="where the llama demo writes its loss curves (default: "
+                                                 "liger-dispatch-demo.png in the temp dir, outside any working tree)")
 
 
 def run(args: argparse.Namespace, device: str, dtype: torch.dtype) -> int:
