@@ -230,3 +230,12 @@ def test_a_whole_op_implementation_returning_one_gradient_too_few_is_named(isola
     x, w, y = torch.randn(6, 8), torch.randn(32, 8), torch.randint(0, 32, (6,))
     with pytest.raises(ld.BackendError, match="whole's implementation of flce returned 3 outputs, the op returns 4"):
         dispatch.op("flce", backend="whole")(x, w, y)
+
+
+def test_the_signature_error_prints_the_whole_op_contract():
+    with pytest.raises(ld.errors.SignatureError) as info:
+        ld.register_backend("flce", backend="contract")(lambda input, weight, target: None)
+    text = str(info.value)
+    assert "parameter 'bias' is missing" in text
+    assert "keyword-only after them, need_grads=[], row_weights=None" in text
+    assert "it returns (the loss, the gradient of input, the gradient of weight, the gradient of bias)" in text

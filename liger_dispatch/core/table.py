@@ -14,7 +14,7 @@ from typing import Callable, Collection, Optional
 
 from liger_dispatch.capability import Capability
 from liger_dispatch.core import results
-from liger_dispatch.errors import RegistrationError, UnknownOpError
+from liger_dispatch.errors import RegistrationError, SignatureError, UnknownOpError
 from liger_dispatch.core.schema import Args, OpSchema
 
 REFERENCE = "reference"
@@ -149,8 +149,11 @@ class OpTable:
     def register(self, impl: Impl, replace: bool = False) -> None:
         """Add an implementation; a second one of the same (op, backend, variant) is an error unless `replace`."""
         spec = self.spec(impl.op)
-        spec.schema.validate(impl.fn, tuple(spec.extra.signature.parameters.values()),
-                             where=f"{impl.backend}'s implementation of {spec.name}")
+        try:
+            spec.schema.validate(impl.fn, tuple(spec.extra.signature.parameters.values()),
+                                 where=f"{impl.backend}'s implementation of {spec.name}")
+        except SignatureError as exc:
+            raise SignatureError(f"{exc}. {contract(spec)}") from None
         with self._lock:
             impl = Impl(spec.name, impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
             same = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) == (impl.backend, impl.variant)]
@@ -291,6 +294,22 @@ class OpTable:
                         variant="composed from " + " + ".join(spec.composed_of))
             self._composed[key] = impl
         return impl
+
+
+def contract(spec: OpSpec) -> str:
+    """What an implementation of spec takes and returns, in words (the SignatureError prints it)."""
+    takes = f"An implementation of {spec.name} takes {spec.name}{spec.schema.describe()}"
+    if spec.impl_extra:
+        takes += f" and, keyword-only after them, {spec.extra.describe().strip('()').lstrip('*, ')}"
+    if spec.level == "kernel" or not spec.differentiable:
+        return takes + "; it returns what the schema returns (checked against the op's fake on each signature's first call)."
+    if "need_grads" in spec.extra.names:
+        grads = ", ".join(f"the gradient of {n}" for n in spec.differentiable)
+        return (takes + f"; it returns (the loss, {grads}): each gradient computed in the forward pass when need_grads "
+                "asks for it, else None" + ("; with row_weights, the loss is sum_i row_weights_i * loss_i"
+                                            if "row_weights" in spec.extra.names else "") + ".")
+    return (takes + f"; it returns the schema's outputs followed by what its backward needs ({spec.saved}), and has "
+            "a backward(...) method taking the inputs, those tensors and one gradient per output.")
 
 
 def _checked_part(spec: OpSpec, part: Impl) -> Callable:
