@@ -1,8 +1,9 @@
 """Every op as a PyTorch op, `torch.ops.liger_dispatch.<op>`, and the eager path into the same implementations.
 
 Two ways in, one set of implementations:
-- eager (`run`, what a dispatch handle does outside torch.compile): select, then call the implementation, under a
-  light autograd.Function for the user-level ops. Going through the torch.library dispatcher costs ~20 us more host
+- eager (what a dispatch handle does outside torch.compile: `plan` on a signature's first call, `replay` on the
+  next ones, calls.py): select, then call the implementation, under a light autograd.Function for the user-level
+  ops. Going through the torch.library dispatcher costs ~20 us more host
   time per call than an autograd.Function, more than a loss op's whole host budget.
 - traced (`call`, what a handle does while torch.compile traces it): torch.ops.liger_dispatch.<op>, an opaque op
   with a fake implementation and registered autograd. Its implementation selects when it runs, so `use_backend`,
