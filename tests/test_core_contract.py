@@ -3,6 +3,7 @@ entry or a backend module that fails at import in any way; registrations that ar
 the CLI summary under a backend pin; concurrent first calls in a fresh process."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -116,35 +117,48 @@ def test_the_cli_with_an_unknown_backend_name_is_an_error(monkeypatch, capsys):
 
 
 def test_concurrent_first_calls_in_a_fresh_process_raise_nothing():
-    """8 threads make their first calls (flce, JSD, KL, mHC) while available_backends imports every backend
-    (torch.distributed.tensor among them) beside them: no error, and the reference serves every CPU call."""
+    """7 threads make first calls (flce, JSD, KL: a new shape each call) while an eighth imports every backend
+    module (registered_backends; helion imports torch.distributed.tensor, which the calls' DTensor check reads half
+    made): no error, and the reference serves every CPU call. Before the fix every calling thread raised
+    "partially initialized module 'torch.distributed.tensor' has no attribute 'DTensor'"."""
     script = textwrap.dedent("""
         import threading, torch
         import liger_dispatch as ld
         from liger_dispatch import dispatch
-        x, w, y = torch.randn(4, 8), torch.randn(32, 8, requires_grad=True), torch.randint(0, 32, (4,))
-        calls = [lambda: dispatch.op("flce")(x, w, y).backward(),
-                 lambda: dispatch.op("fused_linear_jsd")(x, w, x, w.detach()),
-                 lambda: dispatch.op("fused_linear_kl_div")(x, w, torch.softmax(torch.randn(4, 32), -1)),
-                 lambda: [ld.available_backends(op) for op in ("flce", "mhc_coeffs", "fused_linear_jsd")]]
+        done = threading.Event()
+        def importer():
+            try:
+                for op in ("flce", "mhc_coeffs", "fused_linear_jsd", "fused_linear_kl_div"):
+                    ld.registered_backends(op)  # imports every backend module (helion imports torch.distributed.tensor)
+                    ld.available_backends(op)
+            finally:
+                done.set()
         errors, chosen = [], set()
         barrier = threading.Barrier(8)
-        def run(i):
+        def caller(i):
             barrier.wait()
+            n = 1
             try:
-                for _ in range(3):
-                    calls[i % len(calls)]()
+                while not done.is_set() and n < 400:  # new shapes: every call a first call of its signature
+                    n += 1
+                    x, w, y = torch.randn(n, 8), torch.randn(32, 8, requires_grad=True), torch.randint(0, 32, (n,))
+                    [lambda: dispatch.op("flce")(x, w, y).backward(),
+                     lambda: dispatch.op("fused_linear_jsd")(x, w, x, w.detach()),
+                     lambda: dispatch.op("fused_linear_kl_div")(x, w, torch.softmax(torch.randn(n, 32), -1))][i % 3]()
                 chosen.add(dispatch.op("flce").select(x, w, y).backend)
             except BaseException as exc:
                 errors.append(repr(exc))
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        def run_importer():
+            barrier.wait()
+            importer()
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(7)] + [threading.Thread(target=run_importer)]
         [t.start() for t in threads]
         [t.join() for t in threads]
         print("ERRORS", len(errors), errors[:3])
         print("CHOSEN", sorted(chosen))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERRORS 0 []" in out.stdout, out.stdout
     assert "CHOSEN ['reference']" in out.stdout, out.stdout
