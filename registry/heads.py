@@ -103,6 +103,14 @@ def student_and(other_name, a):
     return n
 
 
+def scaled_student(other_name, a):
+    """student_and, and the grad_scale of a kernel-level op that writes the student's gradient; returns C."""
+    n = student_and(other_name, a)
+    c.grad_scale(a.grad_scale, n)
+    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
+    return n
+
+
 def logits_spec(input, weight):
     """The [rows, V] logits buffer a fused-linear composition makes."""
     return TensorSpec((math.prod(input.shape[:-1]), weight.shape[0]), input.dtype)

@@ -63,9 +63,7 @@ def check_fused_linear_kl_div(a):
 
 
 def check_kernel(a):
-    n = heads.student_and("target", a)
-    c.grad_scale(a.grad_scale, n)
-    c.same_device(student_logits=a.student_logits, grad_scale=a.grad_scale)
+    heads.scaled_student("target", a)
     c.non_negative("eps", a.eps)
     c.boolean("log_target", a.log_target)
 

@@ -1,6 +1,5 @@
 """What the Triton kernels of this backend share: capability, launch arguments, in-kernel math helpers."""
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 

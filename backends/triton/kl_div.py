@@ -44,7 +44,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    block_start, load_block, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
+    block_start, load_block, load_scale, log2, row_launch, scale_args, valid_row, zero_row,
 )
 
 NORMALIZED_TOL = tl.constexpr(2.0**-18)

@@ -10,7 +10,6 @@ The statistics pass is the last read of a row in the forward (the gradient pass 
 chunks' GEMMs), so both passes load evict-first. Statistics leave in natural log; base 2 inside.
 """
 
-import torch
 import triton
 import triton.language as tl
 

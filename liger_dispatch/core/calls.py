@@ -98,9 +98,8 @@ def reset() -> None:
 
 
 def _preference(spec):
-    """What selection reads besides the arguments (a call pinning backends reads none of it)."""
-    if spec.internal:
-        return None
+    """What selection reads besides the arguments (a call pinning backends reads none of it; an internal op's
+    preferences are empty: selection.preferences)."""
     preference = selection.preferences(spec.name, ())
     return preference if any(preference) else getenv(TUNED_TABLE.name)  # auto: the tuned tables order it
 

@@ -106,7 +106,6 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    import liger_dispatch as ld
     from liger_dispatch.core.table import TABLE
 
     console = Console()
