@@ -152,6 +152,21 @@ def test_opcheck_mhc():
              dict(hc=HC, tmax=3))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_backward_op_outputs_are_aligned_and_unaliased(backend):
+    """Inductor asserts that an op's outputs start on 16 bytes; a backend's gradients may be views into one buffer its
+    kernel fills at once (the mHC alphas'), so the backward op hands out separate, aligned tensors."""
+    if backend not in backends_here("mhc_coeffs"):
+        pytest.skip(f"{backend} cannot run mhc_coeffs here")
+    x, phi, b, *alphas = mhc_inputs()
+    *coeffs, mix, rstd = torch.ops.liger_dispatch.mhc_coeffs(x, phi, b, *alphas, tmax=3, backend=backend)
+    upstream = [torch.randn_like(c) for c in coeffs]
+    grads = torch.ops.liger_dispatch.mhc_coeffs_backward(x, phi, b, *alphas, mix, rstd, *upstream, tmax=3,
+                                                         backend=backend)
+    assert [g.data_ptr() % 16 for g in grads] == [0] * len(grads)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+
+
 # -- torch.compile ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("op", list(LOSSES))
 @pytest.mark.parametrize("backend", ["reference", "triton"])

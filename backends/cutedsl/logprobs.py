@@ -12,7 +12,7 @@ one pass over the row per kernel, built on _row.py as ce.py is.
 The statistics pass is the last read of the row in the forward (the gradient pass runs in the backward), so both
 load evict-first. Statistics are fp32 and natural-log, written through a flat view: row r's column j at 3r + j.
 
-Compiled for sm_90a and checked for spills on the CPU (tests/test_logprobs_kernels.py); not yet run on a GPU.
+Compiled for sm_90a and checked for spills on the CPU (tests/test_logprobs_kernels.py); `pytest -m gpu` runs them.
 """
 
 import torch
@@ -26,7 +26,7 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._vp_rows import row_stats
 from . import _row
-from ._row import LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, tile_sum, zero_row
+from ._row import LN2, LOG2E, RowLaunch, RowTiles, block_lse, block_sum, tile_sum, zero_row
 from ._support import CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row, pick_vec, row_limits
 from ._support import scale_view
 
@@ -37,6 +37,10 @@ UNTESTED_PRIORITY = 25
 
 LAUNCH = LaunchKnobs("cutedsl logprobs ops", RowLaunch(threads=256, unroll=4))  # both kernels' (one input each)
 STATS_COLUMNS = 3
+# The padding of a row's last tile. A thread whose tile is all padding (a row shorter than the CTA's tile) has
+# m = PAD and sums exp2(0) * PAD over its elements into t: with _row.NEG_BIG (-3e38) as padding that sum overflows
+# to -inf and its weight exp2(PAD - m_row) = 0 makes NaN. -1e30 stays finite over any tile and vanishes under exp2.
+PAD = -1.0e30
 
 
 def _launch(kernel, mX, *args, stream):
@@ -48,7 +52,7 @@ def _launch(kernel, mX, *args, stream):
 def softmax_moment_step(m: Float32, d: Float32, t: Float32, u: cute.TensorSSA):
     """One tile of the online softmax in base 2 that also carries t = sum exp2(u - m) u: _row.online_softmax_step's
     (m, d) update, with its exp2 kept for t (one exp2 per element: two would make the pass bound by the SFU).
-    u = z log2 e; padding NEG_BIG, not -inf, so that its exp2(u - m) u is 0 * finite = 0."""
+    u = z log2 e; padding PAD, not -inf, so that its exp2(u - m) u is 0 * finite = 0."""
     m_new = cute.arch.fmax(m, u.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0))
     alpha = cute.math.exp2(m - m_new, fastmath=True)
     e = cute.math.exp2(u - m_new, fastmath=True)
@@ -95,14 +99,14 @@ class LogprobsStatsKernel:
         """The pass over the row: (base-2 log-sum-exp of z, mean z under softmax), CTA-wide (slots 0-2 of buf).
         Inside, in base 2 only: u = x (log2 e / T) and t / d is the mean of u."""
         to_log2 = inv_temp * LOG2E
-        m = Float32(NEG_BIG)
+        m = Float32(PAD)
         d = Float32(0.0)
         t = Float32(0.0)
         for k in cutlass.range(n_full, unroll=1):
             m, d, t = softmax_moment_step(m, d, t, tiles.load(k) * to_log2)
         if tail:
             pred = tiles.predicate(n_full)
-            u = cute.where(tiles.element_mask(pred), tiles.load(n_full, pred) * to_log2, tiles.full(NEG_BIG))
+            u = cute.where(tiles.element_mask(pred), tiles.load(n_full, pred) * to_log2, tiles.full(PAD))
             m, d, t = softmax_moment_step(m, d, t, u)
         m_row, d_row = block_lse(m, d, buf, 0)
         (t_row,) = block_sum((t * cute.math.exp2(m - m_row, fastmath=True),), buf, 2)

@@ -321,13 +321,14 @@ def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...
 
 
 def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
-    """The outputs, each one that shares memory with an input or an earlier output cloned (a torch op's outputs
-    may alias neither)."""
+    """The outputs, each one that shares memory with an input or an earlier output, or starts off a 16-byte boundary,
+    cloned: a torch op's outputs may alias neither, and inductor asserts that an op's outputs are aligned (a backend
+    may hand out views into one buffer its kernel fills at once, as the mHC backward's grad_b and alphas)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     result = []
     for out in outputs:
         if isinstance(out, torch.Tensor) and out.numel():
-            if out.untyped_storage().data_ptr() in seen:
+            if out.untyped_storage().data_ptr() in seen or out.data_ptr() % 16:
                 out = out.clone()
             seen.add(out.untyped_storage().data_ptr())
         result.append(out)
@@ -463,7 +464,7 @@ def _define_with_backward(spec: OpSpec) -> None:
         args = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
         grads = fn.backward(*args, **options)
         # an input left out (None) gets an empty tensor: a torch op returns tensors
-        return tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads))
+        return _unaliased(tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads)), args)
 
     def backward_fake(*args, backend=None, **options):
         return tuple(args[0].new_empty(0) if args[i] is None else torch.empty_like(args[i]) for i in where)
