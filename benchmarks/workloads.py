@@ -16,7 +16,7 @@ from liger_dispatch.timing import Inputs
 IGNORE_INDEX = -100
 IGNORED_FRACTION = 0.05
 # GEMM FLOPs per N*H*V of the LM-head ops, per pass (fwd: the logits; bwd: grad input and grad weight).
-# fused_linear_logprobs: its floor keeps every row's logits (6 N H V; a recomputed row adds 2 H V to the backward)
+# fused_linear_logprobs: its floor keeps all logits (6 N H V; a recomputed vocabulary column adds 2 N H to the backward)
 _GEMM_COEFF = {"flce": (2, 4), "fused_linear_jsd": (4, 4), "fused_linear_kl_div": (2, 4),
                "fused_linear_logprobs": (2, 4)}
 

@@ -121,6 +121,9 @@ CHUNK_BUDGET_MB = Setting("LIGER_CHUNK_BUDGET_MB", positive_number, "a positive 
                           "memory budget for a chunk's logits buffers in the fused-linear composition")
 CHUNK_ROWS = Setting("LIGER_CHUNK_ROWS", positive_int, "a positive integer", None,
                      "force the rows of a chunk of the fused-linear composition (tests, tuning)")
+CHUNK_COLUMNS = Setting("LIGER_CHUNK_COLUMNS", positive_int, "a positive integer", None,
+                        "force the vocabulary columns of a chunk where the composition chunks the vocabulary "
+                        "(compose/vocab_chunks.py; tests)")
 TUNED_TABLE = Setting("LIGER_TUNED_TABLE", file_list, f"tuned-table files separated by {os.pathsep!r}", (),
                       "more tuned tables for auto selection, winning over the committed ones (tuned.py)")
 HELION_AUTOTUNE = Setting("LIGER_HELION_AUTOTUNE", boolean, _BOOLEAN, False,
@@ -137,7 +140,7 @@ TRITON_INTERPRET = Setting("TRITON_INTERPRET", switched_on, "1/true/yes/on to tu
 HELION_INTERPRET = Setting("HELION_INTERPRET", switched_on, "1/true/yes/on to turn it on", False,
                            "Helion's eager interpreter: the helion backend accepts CPU tensors")
 
-SETTINGS = (STRICT, CHECKS, CHUNK_BUDGET_MB, CHUNK_ROWS, TUNED_TABLE, HELION_AUTOTUNE,
+SETTINGS = (STRICT, CHECKS, CHUNK_BUDGET_MB, CHUNK_ROWS, CHUNK_COLUMNS, TUNED_TABLE, HELION_AUTOTUNE,
             HELION_CONFIG_DIR, CUTEDSL_TVM_FFI, CUTEDSL_DUMP_DIR, TRITON_INTERPRET, HELION_INTERPRET)
 BACKEND_PREFIX = "LIGER_BACKEND"  # LIGER_BACKEND and LIGER_BACKEND_<OP>: backend names, checked by selection.py
 

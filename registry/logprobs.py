@@ -19,15 +19,17 @@ The user-level op over them, with a backward of its own (the RL loss that consum
     fused_linear_logprobs(input [..., H], weight [V, H], target [...], bias [V]?) -> (logprobs, entropy), fp32, the
         target's shape; z = (input @ weight.T + bias) / T. Ignored rows: 0 in both, no gradient.
 
-Forward, per chunk of rows (the chunk driver's memory budget, compose/fused_linear.py:chunk_rows): logits = x_c @ W.T
-(+ bias) into one buffer, logprobs_stats. The first chunk runs last, so the buffer holds its logits after the loop
-and is kept for the backward; [N, V] never exists unless N rows fit the budget. Backward, given g = d/d logprobs
-and h = d/d entropy (either may be None: an entropy only logged is never read): the first chunk's logits are those
-kept, the other chunks' are recomputed into the same buffer (run_chunks with `kept`); logprobs_grad turns them into
-dz in place; dX = dz W, dW += dz^T x, db = sum dz. Cost: 6 N H V FLOPs when every row fits the budget (N <= K, the
-chunk rows), 6 N H V + 2 (N - K) H V beyond it (one GEMM per recomputed row); the memory of one chunk buffer (the
-budget) held from the forward to the backward, besides dW. At H = 4096, V = 128256 bf16 and the 512 MB budget,
-K = 2048: N = 1024 all kept, N = 4096 7 N H V (1.17x of 6 N H V), N = 16384 7.75 N H V (1.29x).
+Chunks are slices of the vocabulary, all rows each (compose/vocab_chunks.py): each slice of dW is one GEMM, rounded
+once, as torch's unchunked matmul is. Forward, per slice: logits = x @ W_s.T (+ bias_s) into one buffer,
+logprobs_stats at the slice's vocab_start; the slices' statistics combine as ranks' do (`combine_stats`). The first
+slice runs last, so the buffer holds its logits after the loop and is kept for the backward; [N, V] never exists
+unless it fits the budget. Backward, given g = d/d logprobs and h = d/d entropy (either may be None: an entropy only
+logged is never read): the first slice's logits are those kept, the others are recomputed into the same buffer;
+logprobs_grad turns them into dz in place; dX += dz W_s (fp32), dW_s = dz^T x, db_s = sum dz. Cost: 6 N H V FLOPs
+when [N, V] fits the budget, 6 N H V + 2 N H (V - Vc) beyond it (Vc the kept slice's width); the memory of the
+buffer (the budget) held from the forward to the backward, besides dW and, with several slices, dX's fp32
+accumulator. At H = 4096, V = 128256 bf16 and the 512 MB budget: N <= 2048 all kept (6 N H V), N = 4096 two slices
+(1.17x of 6 N H V), 8192 four (1.25x), 16384 eight (1.29x).
 
 Vocab-parallel (process_group= or a DTensor weight): each rank's statistics over its slice, for all rows, are
 all-gathered once ([W, N, 3]) and combined (`combine_stats`); the backward needs no statistics from the other ranks,
@@ -41,7 +43,8 @@ import torch
 import functools
 
 from liger_dispatch.compose import fused_linear as fl
-from liger_dispatch.compose.grad_bounds import logit_bound
+from liger_dispatch.compose import vocab_chunks
+from liger_dispatch.compose.grad_bounds import logit_bound, split_scale
 from liger_dispatch.compose.vocab_parallel import VocabParallel
 from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
@@ -115,18 +118,19 @@ def _row_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def kept_rows(n: int, vocab: int, x: torch.Tensor) -> int:
-    """Rows whose logits the forward keeps for the backward: the first chunk's (all N when they fit the budget)."""
-    return min(fl.chunk_rows(n, vocab, x.element_size()), n)
+def kept_columns(n: int, vocab: int, x: torch.Tensor) -> int:
+    """The width of the vocabulary slice whose logits the forward keeps for the backward (all V when they fit)."""
+    start, end = vocab_chunks.column_chunks(n, vocab, x.element_size())[0]
+    return end - start
 
 
 def fake_user_op(a):
     """(logprobs, entropy) in the target's shape, then what the backward needs: the statistics [N, 3] and the kept
-    logits [kept_rows, V]."""
+    logits [N, kept_columns]."""
     n, vocab = a.target.numel(), a.weight.shape[0]
     dtype = _row_dtype(a.input)
     return (a.input.new_empty(a.target.shape, dtype=dtype), a.input.new_empty(a.target.shape, dtype=dtype),
-            a.input.new_empty((n, STATS_COLUMNS), dtype=dtype), a.input.new_empty((kept_rows(n, vocab, a.input), vocab)))
+            a.input.new_empty((n, STATS_COLUMNS), dtype=dtype), a.input.new_empty((n, kept_columns(n, vocab, a.input))))
 
 
 def combine_stats(gathered: torch.Tensor) -> torch.Tensor:
@@ -148,34 +152,26 @@ class FusedLinearLogProbs:
     """fused_linear_logprobs composed from a backend's logprobs_stats / logprobs_grad (the module docstring says the
     algorithm): calling it returns (logprobs, entropy, stats, kept logits); `backward` returns the gradients of
     (input, weight, bias). Autograd around it is the machinery's (core/torch_ops.py). vocab_parallel: the
-    VocabShard of a vocab-parallel call."""
+    VocabShard of a vocab-parallel call. accum_dtype changes nothing here: no gradient is accumulated in a narrow
+    dtype (dW is one GEMM per slice, dX sums in fp32)."""
 
     def __init__(self, stats, grad, vocab_parallel=None):
         self.stats, self.grad, self.shard = stats, grad, vocab_parallel
 
-    def _options(self, temperature, ignore_index):
-        return dict(vocab_start=0 if self.shard is None else self.shard.start, temperature=temperature,
-                    ignore_index=ignore_index)
+    def _options(self, start, temperature, ignore_index):
+        offset = 0 if self.shard is None else self.shard.start
+        return dict(vocab_start=offset + start, temperature=temperature, ignore_index=ignore_index)
 
     def __call__(self, input, weight, target, bias=None, *, temperature=1.0, ignore_index=-100, accum_dtype=None,
                  process_group=None):
         x, labels = fl.flat(input, input.shape[-1]), fl.flat(target).long()
-        n, vocab = x.shape[0], weight.shape[0]
         if self.shard is not None:  # the op's own class check saw one slice (heads.target_classes)
             c.class_indices("target", labels, self.shard.total, ignore_index)
-        options = self._options(temperature, ignore_index)
-        rows, keep = fl.chunk_rows(n, vocab, x.element_size()), kept_rows(n, vocab, x)
-        kept = torch.empty(keep, vocab, dtype=x.dtype, device=x.device)
-        parts = []
-        for start in [*range(keep, n, rows), 0] if n else []:  # the kept chunk last: its logits stay in the buffer
-            end = min(start + rows, n)
-            logits = kept[: end - start]
-            fl.linear_into(x[start:end], weight, bias, logits)
-            parts.append(self.stats(logits, labels[start:end], **options))
-        if parts:
-            stats = torch.cat([parts[-1], *parts[:-1]]) if len(parts) > 1 else parts[0]
-        else:
-            stats = x.new_zeros((0, STATS_COLUMNS), dtype=_row_dtype(x))
+
+        def stats_of(logits, start):
+            return self.stats(logits, labels, **self._options(start, temperature, ignore_index))
+
+        stats, kept = vocab_chunks.forward(x, weight, bias, stats_of, combine_stats)
         if self.shard is not None:
             stats = combine_stats(self.shard.gather(stats))
         lse, z_target, mean = (s.view(target.shape) for s in stats.unbind(1))
@@ -187,19 +183,23 @@ class FusedLinearLogProbs:
         """-> (grad_input [..., H], grad_weight [V, H], grad_bias [V] or None)."""
         x, labels = fl.flat(input, input.shape[-1]), fl.flat(target).long()
         g, h = (None if t is None else fl.flat(t).to(stats.dtype).contiguous() for t in (grad_logprobs, grad_entropy))
-        options = self._options(temperature, ignore_index)
-        one = torch.ones((), device=x.device)
+        unscale = None
+        if x.dtype == torch.float16 and x.shape[0]:
+            def row_bound():
+                return grad_bound(x, weight, bias, g, h, temperature=temperature)
 
-        def chunk_grad(logits, start, end, scale):
-            gs, hs = (None if t is None else t[start:end] if scale is one else t[start:end] * scale for t in (g, h))
-            self.grad(logits, labels[start:end], stats[start:end], gs, hs, **options)
+            bound = row_bound() if self.shard is None else self.shard.bound_over_ranks(row_bound, x, weight.shape[0])
+            if weight.shape[0]:  # an empty vocabulary slice writes no gradient
+                scale, unscale = split_scale(torch.ones((), device=x.device), bound, weight)
+                g, h = (None if t is None else t * scale for t in (g, h))
 
-        def row_bound():
-            return grad_bound(x, weight, bias, g, h, temperature=temperature)
+        def grad_of(logits, start):
+            self.grad(logits, labels, stats, g, h, **self._options(start, temperature, ignore_index))
 
-        _, dx, dw, db = fl.run_chunks(x, weight, bias, one, chunk_grad, row_bound=row_bound, want_dx=True,
-                                      want_dw=True, want_db=bias is not None, accum_dtype=accum_dtype,
-                                      vocab_parallel=self.shard, kept=kept if kept.shape[0] else None)
+        dx, dw, db = vocab_chunks.backward(x, weight, bias, kept, grad_of, want_dx=True, want_dw=True,
+                                           want_db=bias is not None, unscale=unscale)
+        if self.shard is not None:
+            self.shard.sum_over_ranks(dx)
         return dx.view(input.shape), dw, None if db is None else db.to(fl.grad_dtype(bias))
 
 

@@ -31,8 +31,8 @@ def _seed(request):
 def clean_selection(monkeypatch):
     """Each test starts with no LIGER_* preference in the environment and no memoized selection."""
     for key in list(os.environ):
-        if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_BUDGET_MB",
-                                                      "LIGER_TUNED_TABLE"):
+        if key.startswith("LIGER_BACKEND") or key in ("LIGER_STRICT", "LIGER_CHUNK_ROWS", "LIGER_CHUNK_COLUMNS",
+                                                      "LIGER_CHUNK_BUDGET_MB", "LIGER_TUNED_TABLE"):
             monkeypatch.delenv(key)
     selection.reset()
     yield

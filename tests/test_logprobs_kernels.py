@@ -255,13 +255,14 @@ def test_logprobs_rows_gradcheck():
     torch.testing.assert_close(ent[[0, 2, 3]], -(p * p.log()).sum(-1)[[0, 2, 3]])
 
 
-@pytest.mark.parametrize("chunk_rows", ["2", "64"])
-def test_user_op_reference_float64_is_the_spec(chunk_rows, monkeypatch):
-    """fused_linear_logprobs on the reference kernels in float64 (2 rows a chunk: the first kept, the others
-    recomputed; 64: all kept) against formulas.logprobs_rows on the logits (gradchecked above): values, and the
-    gradients of random upstreams on both outputs and on each alone, to float64 rounding. Its backward overwrites
-    the logits it kept, so a second backward through one call (what gradcheck does) is refused."""
-    monkeypatch.setenv("LIGER_CHUNK_ROWS", chunk_rows)
+@pytest.mark.parametrize("chunk_columns", ["3", "64"])
+def test_user_op_reference_float64_is_the_spec(chunk_columns, monkeypatch):
+    """fused_linear_logprobs on the reference kernels in float64 (3 vocabulary columns a slice: the first kept, the
+    others recomputed, the last one narrower; 64: all kept) against formulas.logprobs_rows on the logits
+    (gradchecked above): values, and the gradients of random upstreams on both outputs and on each alone, to float64
+    rounding. Its backward overwrites the logits it kept, so a second backward through one call (what gradcheck
+    does) is refused."""
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", chunk_columns)
     op = dispatch.op("fused_linear_logprobs", backend="reference")
     leaves = [torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((5, 4), (7, 4), (7,))]
     target = torch.tensor([3, IGNORE, 0, 6, 2])
@@ -276,6 +277,28 @@ def test_user_op_reference_float64_is_the_spec(chunk_rows, monkeypatch):
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="fused_linear_logprobs's backward overwrites .* backpropagated twice"):
         torch.autograd.grad(total[0], leaves)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_user_op_vocabulary_slices_match_float64(backend, monkeypatch):
+    """Each backend's user op with the vocabulary cut into slices of 16 columns (the last one narrower, the first one's
+    logits kept from the forward, the others recomputed) against the float64 formula: values and the gradients of
+    random upstreams on both outputs. dW comes one GEMM per slice, so it is as close as the one-slice op's."""
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "16")
+    rows, hidden = 6, 8
+    x, w, b = (torch.randn(*shape, device=DEVICE) for shape in ((rows, hidden), (V, hidden), (V,)))
+    target = random_targets(rows, V, ignored=(2,))
+    g, h = upstream(rows, "dense"), upstream(rows, "dense")
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    got = dispatch.op("fused_linear_logprobs", backend=backend)(*leaves[:2], target, leaves[2], temperature=0.7)
+    wide = [t.double().requires_grad_() for t in (x, w, b)]
+    want = formulas.logprobs_rows(torch.nn.functional.linear(*wide), target, temperature=0.7, ignore_index=IGNORE)
+    for name, o, u in zip(("logprobs", "entropy"), got, want):
+        assert_rel(name, o, u, VALUE_TOL)
+    grads = [torch.autograd.grad((out[0] * g.to(out[0].dtype)).sum() + (out[1] * h.to(out[1].dtype)).sum(), ins)
+             for out, ins in ((got, leaves), (want, wide))]
+    for name, o, u in zip(("input", "weight", "bias"), *grads):
+        assert_rel(f"grad {name}", o, u, GRAD_TOL[torch.float32])
 
 
 def test_reference_keeps_float64_and_its_closed_form_is_autograd():

@@ -122,11 +122,11 @@ def test_opcheck_losses(op):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_opcheck_logprobs(bias, monkeypatch):
-    """With a bias and without (the dispatcher drops it), all rows' logits kept, and 2 rows a chunk (the others'
-    recomputed in the backward); the backward op too."""
+    """With a bias and without (the dispatcher drops it), all logits kept, and vocabulary slices of 7 columns (the
+    first kept, the others recomputed in the backward); the backward op too."""
     args = logprobs_inputs(bias=bias)
     _opcheck("fused_linear_logprobs", args, dict(temperature=0.7, backend="reference"))
-    monkeypatch.setenv("LIGER_CHUNK_ROWS", "2")
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "7")
     _opcheck("fused_linear_logprobs", args, dict(backend="reference"))
     detached = [a.detach() for a in args] + [None] * (4 - len(args))
     _, _, stats, kept = torch.ops.liger_dispatch.fused_linear_logprobs(*detached, temperature=0.7)

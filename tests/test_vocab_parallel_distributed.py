@@ -254,7 +254,7 @@ def distill_modules_all_ignored(group, backend):
 # ---------------------------------------------------------------- fused_linear_logprobs
 
 
-def logprobs_case(group, backend, sizes=SIZES, chunk_rows=None, used=(0, 1), dtype=torch.float32, tol=TOL,
+def logprobs_case(group, backend, sizes=SIZES, chunk_columns=None, used=(0, 1), dtype=torch.float32, tol=TOL,
                   grad_tol=TOL):
     """(logprobs, entropy) on this rank's slice of weight and bias against the single-process op: both outputs equal
     on every rank, random upstreams on both (or one), input.grad whole, weight.grad / bias.grad this slice's."""
@@ -265,7 +265,7 @@ def logprobs_case(group, backend, sizes=SIZES, chunk_rows=None, used=(0, 1), dty
     mine = {k: leaf(slice_of(v, sliced[k], sizes, rank) if k in sliced else v, k != "target") for k, v in t.items()}
     whole = {k: leaf(v, k != "target") for k, v in t.items()}
     upstream = [torch.randn(N), torch.randn(N)]
-    with env(**({"LIGER_CHUNK_ROWS": chunk_rows} if chunk_rows else {})):
+    with env(**({"LIGER_CHUNK_COLUMNS": chunk_columns} if chunk_columns else {})):
         got = dispatch.op("fused_linear_logprobs", backend=backend)(**mine, process_group=group, temperature=0.7)
         want = dispatch.op("fused_linear_logprobs", backend=backend)(**whole, temperature=0.7)
         for out in (got, want):
@@ -463,9 +463,9 @@ def cases(device="cpu", tested=TESTED):
         add("kl-eps", kl_case, reduction="sum", log_target=False, zeros=True, temperature=0.5, eps=1e-3)
         add("distill-modules-all-ignored", distill_modules_all_ignored)
         add("logprobs", logprobs_case)
-        add("logprobs-chunked-no-entropy-grad", logprobs_case, chunk_rows=3, used=(0,))
+        add("logprobs-chunked-no-entropy-grad", logprobs_case, chunk_columns=3, used=(0,))
         add("logprobs-empty-slice-entropy-grad", logprobs_case, sizes=(0, V), used=(1,))
-        add("logprobs-fp16", logprobs_case, chunk_rows=3, dtype=torch.float16, tol=1e-3, grad_tol=2e-2)
+        add("logprobs-fp16", logprobs_case, chunk_columns=3, dtype=torch.float16, tol=1e-3, grad_tol=2e-2)
         add("dtensor", dtensor_ops)
         for loss_name in ("flce", "jsd", "kl"):
             add(f"fsdp2-{loss_name}", fsdp_trains, loss_name=loss_name)
