@@ -28,8 +28,8 @@ logged is never read): the first slice's logits are those kept, the others are r
 logprobs_grad turns them into dz in place; dX += dz W_s (fp32), dW_s = dz^T x, db_s = sum dz. Cost: 6 N H V FLOPs
 when [N, V] fits the budget, 6 N H V + 2 N H (V - Vc) beyond it (Vc the kept slice's width); the memory of the
 buffer (the budget) held from the forward to the backward, besides dW and, with several slices, dX's fp32
-accumulator. At H = 4096, V = 128256 bf16 and the 512 MB budget: N <= 2048 all kept (6 N H V), N = 4096 two slices
-(1.17x of 6 N H V), 8192 four (1.25x), 16384 eight (1.29x).
+accumulator (inside the budget). At H = 4096, V = 128256 bf16 and the 512 MB budget: N <= 2048 all kept
+(6 N H V), N = 4096 three slices (1.22x of 6 N H V), 8192 six (1.28x), 16384 sixteen (1.31x).
 
 Vocab-parallel (process_group= or a DTensor weight): each rank's statistics over its slice, for all rows, are
 all-gathered once ([W, N, 3]) and combined (`combine_stats`); the backward needs no statistics from the other ranks,
@@ -118,9 +118,9 @@ def _row_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def kept_columns(n: int, vocab: int, x: torch.Tensor) -> int:
+def kept_columns(x: torch.Tensor, vocab: int) -> int:
     """The width of the vocabulary slice whose logits the forward keeps for the backward (all V when they fit)."""
-    start, end = vocab_chunks.column_chunks(n, vocab, x.element_size())[0]
+    start, end = vocab_chunks.column_chunks(x, vocab)[0]
     return end - start
 
 
@@ -129,8 +129,9 @@ def fake_user_op(a):
     logits [N, kept_columns]."""
     n, vocab = a.target.numel(), a.weight.shape[0]
     dtype = _row_dtype(a.input)
+    kept = kept_columns(fl.flat(a.input, a.input.shape[-1]), vocab)
     return (a.input.new_empty(a.target.shape, dtype=dtype), a.input.new_empty(a.target.shape, dtype=dtype),
-            a.input.new_empty((n, STATS_COLUMNS), dtype=dtype), a.input.new_empty((n, kept_columns(n, vocab, a.input))))
+            a.input.new_empty((n, STATS_COLUMNS), dtype=dtype), a.input.new_empty((n, kept)))
 
 
 def combine_stats(gathered: torch.Tensor) -> torch.Tensor:

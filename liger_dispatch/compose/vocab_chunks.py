@@ -7,10 +7,9 @@ once and rounded once, as an unchunked matmul's would be, where chunks of rows w
 once a chunk (a bf16 error growing with the chunk count, and dW re-read and re-written every chunk). dX sums over
 the slices in fp32. The slices' row statistics combine as the ranks' of a vocab-parallel call do.
 
-Memory: one logits buffer of at most LIGER_CHUNK_BUDGET_MB ([N, Vc], LIGER_CHUNK_COLUMNS forces Vc), which the
-forward fills with the first slice last and hands to the backward (that slice's GEMM is not made again; the others
-are recomputed into the same buffer: 2 N H (V - Vc) FLOPs), and dX's fp32 accumulator [N, H] with two slices or
-more.
+Memory: LIGER_CHUNK_BUDGET_MB holds one logits buffer [N, Vc] (LIGER_CHUNK_COLUMNS forces Vc), which the forward
+fills with the first slice last and hands to the backward (that slice's GEMM is not made again; the others are
+recomputed into the same buffer: 2 N H (V - Vc) FLOPs), and, with two slices or more, dX's fp32 accumulator [N, H].
 """
 
 from __future__ import annotations
@@ -27,13 +26,16 @@ from liger_dispatch.compose.fused_linear import grad_dtype, linear_into
 COLUMN_ALIGN = 128  # a slice width the GEMMs tile well
 
 
-def column_chunks(n_rows: int, vocab: int, bytes_per_logit: int) -> list[tuple[int, int]]:
-    """The slices [start, end) of the vocabulary, the first one the widest: as few as the budget allows, balanced."""
+def column_chunks(x: torch.Tensor, vocab: int) -> list[tuple[int, int]]:
+    """The slices [start, end) of the vocabulary for the rows of x, the first one the widest: as few as the budget
+    allows, balanced. With several, dX's fp32 accumulator counts against the budget too."""
     width = settings.CHUNK_COLUMNS.get()
     if not width:
         budget = settings.CHUNK_BUDGET_MB.get() * 2**20
+        n_rows, bytes_per_logit = x.shape[0], x.element_size()
         if n_rows * vocab * bytes_per_logit <= budget:
             return [(0, vocab)]
+        budget -= x.numel() * 4
         limit = max(COLUMN_ALIGN, int(budget // (n_rows * bytes_per_logit)) // COLUMN_ALIGN * COLUMN_ALIGN)
         width = math.ceil(math.ceil(vocab / math.ceil(vocab / limit)) / COLUMN_ALIGN) * COLUMN_ALIGN
     return [(start, min(start + width, vocab)) for start in range(0, vocab, width)] or [(0, 0)]
@@ -54,7 +56,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     """(the row statistics over the whole vocabulary, the first slice's logits, kept for `backward`).
 
     stats_of(logits [N, end - start], start) -> [N, k]: one slice's statistics; combine([S, N, k]) -> [N, k]."""
-    chunks = column_chunks(x.shape[0], weight.shape[0], x.element_size())
+    chunks = column_chunks(x, weight.shape[0])
     buffer = torch.empty(x.shape[0], chunks[0][1] - chunks[0][0], dtype=x.dtype, device=x.device)
     parts = []
     for start, end in chunks[1:] + chunks[:1]:  # the first slice last: its logits stay in the buffer
@@ -69,7 +71,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
              unscale: Optional[torch.Tensor] = None):
     """(dX, dW, db), None where not wanted. grad_of(logits, start) overwrites one slice's logits with the gradient
     over them (times the fp16 buffer's factor, which `unscale` undoes: grad_bounds.py)."""
-    chunks = column_chunks(x.shape[0], weight.shape[0], x.element_size())
+    chunks = column_chunks(x, weight.shape[0])
     several = len(chunks) > 1
     dx = (torch.zeros(x.shape, dtype=grad_bounds.wide(x), device=x.device) if several else torch.empty_like(x)
           ) if want_dx else None
