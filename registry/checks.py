@@ -80,8 +80,9 @@ def choice(name: str, value, options: tuple) -> None:
 
 
 def _number(value) -> bool:
-    """A finite int or float; a bool is not a number here (label_smoothing=True is a mistake, not 1.0)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float; a bool is not a number here (label_smoothing=True is a mistake, not 1.0). Compared, not
+    math.isfinite: torch.compile makes a float that changes between calls symbolic, and compares it (a guard)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -math.inf < value < math.inf
 
 
 def in_range(name: str, value, low: float, high: float) -> None:

@@ -206,6 +206,23 @@ def test_compile_fullgraph_logprobs(backend):
     compiled_equals_eager(lambda *a: handle(*a)[0], logprobs_inputs(bias=False))
 
 
+@pytest.mark.parametrize("op", ["fused_linear_logprobs", "fused_linear_jsd", "fused_linear_kl_div"])
+def test_compile_fullgraph_temperature_that_changes(op):
+    """A float argument that changes between calls becomes symbolic in torch.compile's next compilation; the checks
+    compare it rather than pass it to math (a graph break, an error under fullgraph=True)."""
+    torch._dynamo.reset()  # the parametrizations share the lambda's code object: recompiles of one
+    handle = dispatch.op(op, backend="reference")
+    inputs = logprobs_inputs() if op == "fused_linear_logprobs" else loss_inputs(op)
+    compiled = torch.compile(lambda temperature, *a: handle(*a, temperature=temperature), fullgraph=True)
+    for temperature in (1.0, 0.9, 0.7):
+        counters.clear()
+        out = compiled(temperature, *inputs)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        want = handle(*inputs, temperature=temperature)
+        for g, w in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+            assert_rel_close("compiled", g, w, 1e-5)
+
+
 def test_compile_fullgraph_nn_modules():
     loss = ld.nn.FusedLinearCrossEntropyLoss(label_smoothing=0.1)
     x, w, y, bias = loss_inputs("flce")
