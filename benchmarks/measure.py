@@ -1,5 +1,5 @@
-"""One case for every provider: a correctness check against the eager formula on fresh inputs, then
-time and peak memory of the providers that pass, on other inputs.
+"""One case for every provider: a correctness check against a reference (the op's eager formula) on fresh inputs,
+then time and peak memory of the providers that pass, on other inputs.
 
 A provider that fails the check is reported FAIL and not timed; running out of memory is OOM; a
 size a provider cannot fit or finish (predicted from the smaller sizes of this run) is skipped, saying why.
@@ -39,6 +39,18 @@ class Settings:
     l2_bytes: int
     seed: int = 0
     warm: bool = False  # L2 not flushed between repetitions, one input set (what a repeated training step sees)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a run's cases compute: each case's inputs, and the function every provider is checked against."""
+
+    make_inputs: Callable[[Case, torch.device, int], timing.Inputs]  # (case, device, seed)
+    reference: Callable[[Case], Callable]
+    reference_provider: Optional[str]  # the provider that computes the reference itself: not checked against it
+
+
+OP_WORKLOAD = Workload(workloads.make_inputs, lambda case: formula(case.op), EAGER)  # each op against its formula
 
 
 @dataclass
@@ -88,7 +100,7 @@ class History:
 
 
 def measure_case(case: Case, providers: list[Provider], s: Settings, history: History,
-                 done: Callable[[Provider, Outcome], None]) -> None:
+                 done: Callable[[Provider, Outcome], None], workload: Workload = OP_WORKLOAD) -> None:
     """Measure `case` for every provider, calling done(provider, outcome) as each row is settled."""
 
     def finish(p: Provider, outcome: Outcome) -> None:
@@ -104,18 +116,18 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
     passed: list[tuple[Provider, Callable, tuple[float, float]]] = []
     checked_at = case.n
     try:
-        check_inputs, want, checked_at = _reference(case, s)
+        check_inputs, want, checked_at = _reference(case, s, workload)
     except Exception as exc:  # no reference at any size: every provider of this case fails
-        _ensure_device(s.device, "the eager reference")
+        _ensure_device(s.device, "the reference")
         for p in providers:
-            finish(p, Outcome(FAIL, notes=[f"no eager reference: {_describe(exc)}"]))
+            finish(p, Outcome(FAIL, notes=[f"no reference: {_describe(exc)}"]))
         return
     for p in providers:
         skip = _skip(case, p, s, history)
         if skip:
             finish(p, skip)
             continue
-        outcome, fn, errors = _check(p, case, check_inputs, want, checked_at, s)
+        outcome, fn, errors = _check(p, case, check_inputs, want, checked_at, s, workload.reference_provider)
         if outcome is None:
             passed.append((p, fn, errors))
         else:
@@ -124,7 +136,7 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
     _cleanup(s.device)
 
     note = [] if checked_at == case.n else [f"checked at {checked_at}"]
-    sets = _input_sets(case, s) if passed else []
+    sets = _input_sets(case, s, workload) if passed else []
     if len(sets) > 1:
         note.append(f"inputs rotated over {len(sets)} sets")
     leaves = [leaf for inputs in sets for leaf in inputs.leaves]
@@ -157,13 +169,13 @@ def _skip(case: Case, p: Provider, s: Settings, history: History) -> Optional[Ou
     return Outcome(SKIPPED, notes=[reason]) if reason else None
 
 
-def _reference(case: Case, s: Settings):
-    """(check inputs, the eager formula's result on them, N they are at): halves N while it runs out of memory."""
+def _reference(case: Case, s: Settings, workload: Workload):
+    """(check inputs, the reference's result on them, N they are at): halves N while it runs out of memory."""
     at = case
     while True:
-        inputs = workloads.make_inputs(at, s.device, s.seed + 1)
+        inputs = workload.make_inputs(at, s.device, s.seed + 1)
         try:
-            return inputs, timing.run(formula(case.op), inputs, case.mode), at.n
+            return inputs, timing.run(workload.reference(case), inputs, case.mode), at.n
         except Exception as exc:
             if not _is_oom(exc) or shapes.halved(at) is None:
                 raise
@@ -172,9 +184,9 @@ def _reference(case: Case, s: Settings):
         at = shapes.halved(at)
 
 
-def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
+def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings, reference_provider: Optional[str]):
     """(failing outcome or None, the provider's callable, (output error, gradient error))."""
-    if p.name == EAGER and checked_at == case.n:
+    if p.name == reference_provider and checked_at == case.n:
         return None, p.build(case), (math.nan, math.nan)  # it is the reference
     failed = None
     try:
@@ -195,13 +207,13 @@ def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings):
     return None, fn, errors
 
 
-def _input_sets(case: Case, s: Settings) -> list[timing.Inputs]:
+def _input_sets(case: Case, s: Settings, workload: Workload) -> list[timing.Inputs]:
     """Inputs for timing, several sets when one would fit in L2 and make it look faster (one set when warm)."""
-    first = workloads.make_inputs(case, s.device, s.seed + 2)
+    first = workload.make_inputs(case, s.device, s.seed + 2)
     if s.warm:
         return [first]
     copies = min(MAX_INPUT_COPIES, max(1, math.ceil(2 * s.l2_bytes / first.nbytes())))
-    return [first] + [workloads.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
+    return [first] + [workload.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
 
 
 def _step(fn: Callable, sets: list[timing.Inputs], mode: str) -> Callable[[], None]:

@@ -6,9 +6,15 @@ Unsupported for an option the peer lacks rather than timing something else.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
+import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -122,31 +128,99 @@ def _quack(op: str) -> Callable:
     return flce
 
 
+# ---------------------------------------------------------------- verl
+
+
+def _verl_device() -> types.ModuleType:
+    """verl.utils.device as kernels.py uses it, on torch.cuda (verl's own asks its platform plugins)."""
+    device = types.ModuleType("verl.utils.device")
+    device.is_cuda_available = torch.cuda.is_available()  # a value, not a function, as in verl
+    device.get_device_name = lambda: "cuda" if torch.cuda.is_available() else "cpu"
+    device.get_torch_device = lambda: torch.cuda
+    device.get_device_capability = lambda device_id=0: (
+        torch.cuda.get_device_capability(device_id) if torch.cuda.is_available() else (None, None))
+    return device
+
+
+def _empty_package(name: str, folder: Path) -> types.ModuleType:
+    """A package that runs no __init__ but finds its submodules in `folder`."""
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    return importlib.util.module_from_spec(spec)
+
+
+def _load_verl() -> types.ModuleType:
+    """verl's fused log-prob kernel, verl/utils/kernel/linear_cross_entropy.py and its kernels.py, from the installed
+    files. `import verl` needs verl's whole runtime (ray, ...), so unless it is already imported, verl and verl.utils
+    are stood in by empty packages over the installed folders and verl.utils.device by torch.cuda: only the two
+    kernel files run (and `verl` in this process is that stand-in)."""
+    spec = importlib.util.find_spec("verl")  # locates the files without running verl/__init__.py
+    if spec is None:
+        raise ModuleNotFoundError("No module named 'verl'")
+    if "verl" not in sys.modules:
+        root = Path(spec.submodule_search_locations[0])
+        sys.modules["verl"] = _empty_package("verl", root)
+        sys.modules["verl.utils"] = _empty_package("verl.utils", root / "utils")
+        sys.modules["verl.utils.device"] = _verl_device()
+    importlib.import_module("verl.utils.kernel.kernels")  # else first imported by the first call: a failure shows now
+    return importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+
+
+def _verl(op: str) -> Callable:
+    linear_cross_entropy = _load_verl().linear_cross_entropy
+
+    def logprobs(input, weight, target, bias=None, *, temperature=1.0, ignore_index=-100):
+        _reject_set("verl's linear_cross_entropy", bias=bias is not None)
+        if input.shape[-1] % 128:
+            raise Unsupported("verl's kernel needs H a multiple of 128")
+        # verl has no ignore_index: an ignored row is scored against token 0 and both its outputs are set to 0
+        # after the call (torch.where, which also gives the row no gradient), so the function is ours and verl
+        # pays for every row, as it would in a trainer. It returns log-probs (not their negative), as ours.
+        valid = target != ignore_index
+        logps, entropy = linear_cross_entropy(input, weight, torch.where(valid, target, 0), float(temperature),
+                                              "none")
+        return torch.where(valid, logps.view(target.shape), 0.0), torch.where(valid, entropy.view(target.shape), 0.0)
+
+    return logprobs
+
+
 @dataclass(frozen=True)
 class Peer:
     distribution: str
-    module: str  # imported to tell whether it is installed
+    load: Callable[[], object]  # imports the peer, raising when it is not installed
     ops: tuple[str, ...]
     adapter: Callable[[str], Callable]  # op -> the peer's implementation with our signature
+    interpreted: bool = False  # its kernels also run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1)
+
+
+def _module(name: str) -> Callable[[], object]:
+    return functools.partial(importlib.import_module, name)
 
 
 PEERS = {
-    "liger-kernel": Peer("liger-kernel", "liger_kernel", MODEL_OPS, _liger),
-    "cut-cross-entropy": Peer("cut-cross-entropy", "cut_cross_entropy", ("flce",), _cce),
-    "quack": Peer("quack-kernels", "quack", ("flce",), _quack),
+    "liger-kernel": Peer("liger-kernel", _module("liger_kernel"), MODEL_OPS, _liger, interpreted=True),
+    "cut-cross-entropy": Peer("cut-cross-entropy", _module("cut_cross_entropy"), ("flce",), _cce),
+    "quack": Peer("quack-kernels", _module("quack"), ("flce",), _quack),
+    # Not interpreted: verl's host functions open NVTX ranges and assert CUDA tensors before any kernel runs.
+    "verl": Peer("verl", _load_verl, ("fused_linear_logprobs",), _verl),
 }
+
+
+def not_installed(name: str) -> Optional[str]:
+    """Why peer `name` cannot be imported ("not installed: ..."), or None."""
+    try:
+        PEERS[name].load()
+    except Exception as exc:  # a broken install is as good as none
+        return f"not installed: {type(exc).__name__}: {exc}".splitlines()[0]
+    return None
 
 
 def unavailable(name: str, device: torch.device) -> Optional[str]:
     """Why peer `name` cannot run here ("not installed: ...", "needs a CUDA device"), or None."""
-    try:
-        importlib.import_module(PEERS[name].module)
-    except Exception as exc:  # a broken install is as good as none
-        return f"not installed: {type(exc).__name__}: {exc}".splitlines()[0]
-    # Liger's Triton kernels also run on CPU tensors under Triton's interpreter; the others need CUDA.
-    interpreted = name == "liger-kernel" and os.environ.get("TRITON_INTERPRET") == "1"
+    reason = not_installed(name)
+    if reason is not None:
+        return reason
+    interpreted = PEERS[name].interpreted and os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         return "needs a CUDA device"
     return None
-
-

@@ -64,16 +64,21 @@ class _Compiled:
 
     @staticmethod
     def _compile(op: str) -> Callable:
-        compiled = torch.compile(formula(op))
-        rows = _ROW_ARGS.get(op, ())
+        return compiled_over_rows(formula(op), _ROW_ARGS.get(op, ()))
 
-        def call(*args, **kwargs):
-            for i in rows:
-                if isinstance(args[i], torch.Tensor):
-                    torch._dynamo.maybe_mark_dynamic(args[i], 0)
-            return compiled(*args, **kwargs)
 
-        return call
+def compiled_over_rows(fn: Callable, rows: Sequence[int]) -> Callable:
+    """torch.compile(fn) with the first dimension of each positional argument in `rows` dynamic: one compilation
+    serves every N."""
+    compiled = torch.compile(fn)
+
+    def call(*args, **kwargs):
+        for i in rows:
+            if isinstance(args[i], torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 class _OursTraced:

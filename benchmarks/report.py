@@ -159,9 +159,12 @@ def _runs_table(rows: list[dict[str, str]]) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path, rows: list[dict[str, str]]) -> None:
+def write_markdown(path: Path, rows: list[dict[str, str]], title: str = "liger-dispatch benchmarks",
+                   method: str = METHOD) -> None:
+    """`# title on <gpus>`, how the rows were measured, the runs they come from, then a table per op, shape, dtype
+    and mode."""
     gpus = sorted({r["gpu"] for r in rows})
-    lines = [f"# liger-dispatch benchmarks on {', '.join(gpus)}", "", METHOD, "", "## Runs", "", *_runs_table(rows)]
+    lines = [f"# {title} on {', '.join(gpus)}", "", method, "", "## Runs", "", *_runs_table(rows)]
     current_op = None
     for (op, shape, dtype, mode), group in _groups(rows).items():
         if op != current_op:

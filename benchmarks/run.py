@@ -36,6 +36,7 @@ TOOLS = {  # `python -m benchmarks.run <name> ...`: the harness's other measurem
     "loss-kernels": ("benchmarks.loss_kernels", "one backend's loss kernels alone against the bandwidth"),
     "mhc-kernels": ("benchmarks.mhc_kernels", "each backend's mHC kernels against the byte floor"),
     "helion-configs": ("benchmarks.helion_tune", "regenerate the Helion backend's config tables"),
+    "rl-losses": ("benchmarks.rl_losses", "whole GRPO and DPO losses at an LM head, ours against liger-kernel's"),
 }
 
 
@@ -56,6 +57,24 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
     """Defaults shown; the list of other measurements kept one a line."""
 
 
+def add_timing_options(p: argparse.ArgumentParser) -> None:
+    """How rows are timed: the options of every measurement that times through benchmarks.measure."""
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=150.0, help="timed repetitions' total time per row")
+    p.add_argument("--max-row-s", type=float, default=60.0,
+                   help="skip a size predicted (from the smaller ones) to keep one row busy longer")
+    p.add_argument("--time-budget-s", type=float, default=math.inf,
+                   help="after this, the remaining rows are skipped (results are written as they come)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def timing_settings(args: argparse.Namespace, device: torch.device, started: float,
+                    warm: bool = False) -> measure.Settings:
+    """The measure.Settings of add_timing_options' options, for a run that started at time.monotonic() `started`."""
+    return measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
+                            timing.l2_bytes(device), args.seed, warm)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     tools = "\n".join(f"  {name:15} {about}" for name, (_, about) in TOOLS.items())
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
@@ -68,19 +87,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tc", nargs="+", type=shapes.parse_tc, help="TxC points of mhc_coeffs, e.g. 512x1024")
     p.add_argument("--dtypes", nargs="+", default=["bf16"], help=f"any of {', '.join(shapes.DTYPES)}")
     p.add_argument("--providers", nargs="+", help="our backends by name (reference too), ours (auto selection), "
-                   "ours:compile, ours:cudagraphs, torch, torch.compile, liger-kernel, cut-cross-entropy, quack "
+                   "ours:compile, ours:cudagraphs, torch, torch.compile, liger-kernel, cut-cross-entropy, quack, verl "
                    "(default: all that can run, but the reference and ours)")
     p.add_argument("--mode", nargs="+", default=["fwd+bwd"], help=f"any of {', '.join(shapes.MODES)}")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--warm", action="store_true", help="time without flushing L2 between repetitions, on one "
                    "input set (rows get the mode fwd+bwd-warm etc., beside the flushed ones)")
-    p.add_argument("--rep-ms", type=float, default=150.0, help="timed repetitions' total time per row")
-    p.add_argument("--max-row-s", type=float, default=60.0,
-                   help="skip a size predicted (from the smaller ones) to keep one row busy longer")
-    p.add_argument("--time-budget-s", type=float, default=math.inf,
-                   help="after this, the remaining rows are skipped (results are written as they come)")
-    p.add_argument("--seed", type=int, default=0)
+    add_timing_options(p)
     args = p.parse_args(argv)
     args.ops = _listed(args.ops)
     if args.ops == ["all"]:
@@ -117,7 +130,8 @@ def _plan(args, device: torch.device, console: Console):
     return plan
 
 
-def _line(r: dict[str, str]) -> str:
+def row_line(r: dict[str, str]) -> str:
+    """One settled row, as the log prints it."""
     parts = [f"{r['op']} {r['shape']} {r['n']} {r['dtype']} {r['mode']} {r['provider']}: {r['status']}"]
     if r["ms"]:
         parts.append(f"{float(r['ms']):.4g} ms")
@@ -156,6 +170,16 @@ def _cell(r: dict[str, str]) -> str:
     return f"{float(r['ms']):.4g}{roof}"
 
 
+def default_device() -> torch.device:
+    """The GPU when there is one, else the CPU, set to one thread."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        # CPU runs exercise the harness on tiny shapes: one thread, or OpenMP's spinning on a busy
+        # machine makes each tiny op take milliseconds.
+        torch.set_num_threads(1)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in TOOLS:
@@ -164,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LIGER_STRICT"] = "1"
     args = parse_args(argv)
     started = time.monotonic()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        # CPU runs exercise the harness on tiny shapes: one thread, or OpenMP's spinning on a busy
-        # machine makes each tiny op take milliseconds.
-        torch.set_num_threads(1)
+    device = default_device()
     args.shapes = args.shapes or (["llama3"] if device.type == "cuda" else ["tiny"])
     env = environment.collect(device, argv)
     console = Console(soft_wrap=True)
@@ -177,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"{env.gpu} | driver {env.driver} | " + " | ".join(f"{k} {v}" for k, v in env.versions.items()))
     tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
-    settings = measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
-                                timing.l2_bytes(device), args.seed, args.warm)
+    settings = timing_settings(args, device, started, args.warm)
     plan = _plan(args, device, console)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{env.gpu_short}.csv"
@@ -195,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             if outcome.status != measure.NOT_REACHED:  # keep what an earlier run measured
                 this_run.append(r)
             if outcome.status != report.UNAVAILABLE:  # said once per op, when planning
-                progress.console.print(_line(r))
+                progress.console.print(row_line(r))
             progress.advance(task)
 
         try:

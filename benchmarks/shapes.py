@@ -9,7 +9,7 @@ import torch
 
 LM_OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div")
 HEAD_OPS = (*LM_OPS, "fused_linear_logprobs")  # the ops on an LM head: its shape presets
-MODEL_OPS = (*LM_OPS, "mhc_coeffs")  # the ops with peers to compare against
+MODEL_OPS = (*LM_OPS, "mhc_coeffs")  # the ops liger-kernel 0.8.5 has too
 OPS = (*MODEL_OPS, "fused_linear_logprobs", "dispatch_overhead")
 MODES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

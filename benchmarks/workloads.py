@@ -57,11 +57,11 @@ def work(case: Case, mode: str | None = None) -> tuple[float, float]:
 # ---------------------------------------------------------------- input makers
 
 
-def _randn(shape, dtype, device, gen, std=1.0):
+def randn(shape, dtype, device, gen, std=1.0):
     return (torch.randn(shape, dtype=torch.float32, device=device, generator=gen) * std).to(dtype)
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
+def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.requires_grad_(True)
 
 
@@ -71,58 +71,58 @@ def _labels(n, vocab, device, gen):
     return labels.masked_fill_(ignored, IGNORE_INDEX)
 
 
-def _head(case, device, gen):
+def lm_head(case, device, gen):
     """input [N, H] ~ N(0, 1), weight [V, H] ~ N(0, 1/H): logits of unit scale."""
     n, h, v = case.dim("N"), case.dim("H"), case.dim("V")
-    return _randn((n, h), case.dtype, device, gen), _randn((v, h), case.dtype, device, gen, h ** -0.5)
+    return randn((n, h), case.dtype, device, gen), randn((v, h), case.dtype, device, gen, h ** -0.5)
 
 
 def _flce(case, device, gen):
-    x, w = _head(case, device, gen)
+    x, w = lm_head(case, device, gen)
     target = _labels(case.dim("N"), case.dim("V"), device, gen)
-    return Inputs((_leaf(x), _leaf(w), target), {"ignore_index": IGNORE_INDEX, "reduction": "mean"}, [x, w])
+    return Inputs((leaf(x), leaf(w), target), {"ignore_index": IGNORE_INDEX, "reduction": "mean"}, [x, w])
 
 
 def _jsd(case, device, gen):
-    x, w = _head(case, device, gen)
-    xt, wt = _head(case, device, gen)
+    x, w = lm_head(case, device, gen)
+    xt, wt = lm_head(case, device, gen)
     labels = _labels(case.dim("N"), case.dim("V"), device, gen)
     kwargs = {"jsd_beta": 0.5, "ignore_index": IGNORE_INDEX, "temperature": 1.0}
-    return Inputs((_leaf(x), _leaf(w), xt, wt, labels), kwargs, [x, w])
+    return Inputs((leaf(x), leaf(w), xt, wt, labels), kwargs, [x, w])
 
 
 def _kl(case, device, gen):
-    x, w = _head(case, device, gen)
+    x, w = lm_head(case, device, gen)
     n, v = case.dim("N"), case.dim("V")
     target = torch.empty((n, v), dtype=case.dtype, device=device)
     for start in range(0, n, 2048):  # bounds the fp32 temporary at large N x V
         rows = target[start:start + 2048]
-        rows.copy_(torch.softmax(_randn(rows.shape, torch.float32, device, gen, 2.0), dim=-1))
+        rows.copy_(torch.softmax(randn(rows.shape, torch.float32, device, gen, 2.0), dim=-1))
     labels = _labels(n, v, device, gen)
     kwargs = {"reduction": "batchmean", "ignore_index": IGNORE_INDEX, "temperature": 1.0}
-    return Inputs((_leaf(x), _leaf(w), target, labels), kwargs, [x, w])
+    return Inputs((leaf(x), leaf(w), target, labels), kwargs, [x, w])
 
 
 def _logprobs(case, device, gen):
     """The RL setting: random upstream gradients on both outputs (logprobs and entropy), temperature 0.9."""
-    x, w = _head(case, device, gen)
+    x, w = lm_head(case, device, gen)
     n = case.dim("N")
     target = _labels(n, case.dim("V"), device, gen)
-    upstream = (_randn((n,), torch.float32, device, gen), _randn((n,), torch.float32, device, gen))
-    return Inputs((_leaf(x), _leaf(w), target), {"ignore_index": IGNORE_INDEX, "temperature": 0.9}, [x, w], upstream)
+    upstream = (randn((n,), torch.float32, device, gen), randn((n,), torch.float32, device, gen))
+    return Inputs((leaf(x), leaf(w), target), {"ignore_index": IGNORE_INDEX, "temperature": 0.9}, [x, w], upstream)
 
 
 def _mhc(case, device, gen):
     """What a model feeds the op: x [B, T, HC, C] contiguous (the residual stream), phi in the model dtype."""
     b, t, hc, c = (case.dim(k) for k in ("B", "T", "HC", "C"))
     k, m = hc * c, hc * hc + 2 * hc
-    x = _randn((b, t, hc, c), case.dtype, device, gen)
-    phi = _randn((k, m), case.dtype, device, gen, 1 / math.sqrt(k))
-    bias = _randn((m,), torch.float32, device, gen, 0.1)
+    x = randn((b, t, hc, c), case.dtype, device, gen)
+    phi = randn((k, m), case.dtype, device, gen, 1 / math.sqrt(k))
+    bias = randn((m,), torch.float32, device, gen, 0.1)
     alphas = [0.5 + torch.rand((), device=device, generator=gen) for _ in range(3)]
-    leaves = [_leaf(x), _leaf(phi), _leaf(bias), *map(_leaf, alphas)]
-    upstream = (_randn((b, t, hc), torch.float32, device, gen), _randn((b, t, hc), torch.float32, device, gen),
-                _randn((b, t, hc, hc), torch.float32, device, gen))
+    leaves = [leaf(x), leaf(phi), leaf(bias), *map(leaf, alphas)]
+    upstream = (randn((b, t, hc), torch.float32, device, gen), randn((b, t, hc), torch.float32, device, gen),
+                randn((b, t, hc, hc), torch.float32, device, gen))
     return Inputs(tuple(leaves), {}, leaves, upstream)
 
 
