@@ -122,6 +122,8 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
+        if g is None and w is None:  # an output the call did not ask for (CrossEntropyOutput's None fields)
+            continue
         results.append(measure(f"output {i}", g.float(), w.float(), tol))
         if used is not None and i not in used:
             continue
@@ -325,10 +327,28 @@ def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
     return args, options
 
 
-def _mutated(op) -> list[int]:
-    """Positions of the parameters an op writes in place (`Tensor(a!)` in its schema)."""
+def _written(op) -> list:
+    """The parameters an op writes in place (`Tensor(a!)` in its schema)."""
     parsed = torch._C.parse_schema(TABLE.spec(op).schema_text)
-    return [i for i, a in enumerate(parsed.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    return [a for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _mutated(op) -> list[int]:
+    """Positions of the positional parameters an op writes in place."""
+    names = TABLE.spec(op).schema.names
+    return [names.index(a.name) for a in _written(op) if not a.kwarg_only]
+
+
+def _mutated_keywords(op) -> list[str]:
+    """The keyword-only parameters an op writes in place (an optional output, as ce_loss_and_grad's row_stats)."""
+    return [a.name for a in _written(op) if a.kwarg_only]
+
+
+def _widened(value):
+    """A copy of a floating tensor with dims in float64 (the reference's inputs), of another tensor as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+        return value.detach().double()
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _fresh(args: tuple, grad: bool = True) -> tuple:
@@ -354,17 +374,19 @@ def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
     writes in place."""
     args, kwargs = sample_call(op, device)
     mine = _fresh(args, grad=False)
-    theirs = tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()
-                   else a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-    got = dispatch.op(op, backend=backend)(*mine, **kwargs)
+    mine_kwargs, theirs_kwargs = (dict(zip(kwargs, _fresh(tuple(kwargs.values()), grad=False))) for _ in range(2))
+    theirs = tuple(_widened(a) for a in args)
+    got = dispatch.op(op, backend=backend)(*mine, **mine_kwargs)
     try:
-        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+        want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
     except InputError:  # an op that takes some tensors in fp32 only (mHC's b): the reference on the same dtypes
         theirs = _fresh(args, grad=False)
-        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+        want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
     pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(*(
         [t for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, torch.Tensor)] for o in (got, want))))]
     pairs += [(f"{TABLE.spec(op).schema.names[i]} (written in place)", mine[i], theirs[i]) for i in _mutated(op)]
+    pairs += [(f"{name} (written in place)", mine_kwargs[name], theirs_kwargs[name])
+              for name in _mutated_keywords(op) if kwargs.get(name) is not None]
     return [measure(name, g.float(), w, TOLERANCE[torch.float32]) for name, g, w in pairs]
 
 
@@ -907,8 +929,9 @@ def _labels(m: Inputs, rows=6, vocab=40):
 
 
 def _ce_sample(m):
-    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(grad_scale=torch.rand(6, device=m.device) + 0.1,
-                                                         label_smoothing=0.1)
+    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(
+        grad_scale=torch.rand(6, device=m.device) + 0.1, label_smoothing=0.1,
+        ce_weight=torch.rand(40, device=m.device) + 0.5, row_stats=torch.zeros(6, 2, device=m.device))
 
 
 def _jsd_sample(m):
@@ -940,7 +963,8 @@ KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
     "kl_div_loss_and_grad": _kl_sample,
     "mhc_coeff_fwd": _mhc_fwd_sample,
     "mhc_coeff_bwd": _mhc_bwd_sample,
-    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)), dict(vocab_start=30)),
+    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)),
+                              dict(vocab_start=30, ce_weight=torch.rand(80, device=m.device) + 0.5)),
     "jsd_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)),
                                dict(temperature=2.0)),
     "kl_div_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), {}),
@@ -949,9 +973,9 @@ KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
 
 
 def _ce_vp_grad(m):
-    logits, target = m.randn(6, 40, scale=4.0), _labels(m, vocab=80)
-    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30)
-    return (logits, target, stats[:, 0].contiguous()), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1)
+    logits, target, weights = m.randn(6, 40, scale=4.0), _labels(m, vocab=80), torch.rand(80, device=m.device) + 0.5
+    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30, ce_weight=weights)
+    return (logits, target, stats), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1, ce_weight=weights)
 
 
 def _jsd_vp(which):

@@ -240,10 +240,11 @@ def spy_backend(isolated_table):
 
     @ld.register_backend("ce_loss_and_grad", backend="spy", priority=1000, capability=ld.Capability(devices=("cpu",)))
     def spy(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-            lse_square_scale=0.0):
+            lse_square_scale=0.0, ce_weight=None, row_stats=None):
         calls.append(logits.shape)
         return ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
-                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale)
+                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
+                                ce_weight=ce_weight, row_stats=row_stats)
 
     return calls
 
