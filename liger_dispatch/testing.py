@@ -716,6 +716,20 @@ def _flce_bias_3d_noncontiguous(m: Inputs):
     return inputs, dict(label_smoothing=0.05)
 
 
+def _flce_weighted(reduction, weight_scale=1.0, all_ignored=False, **options):
+    """Class weights in [0.2, 2.2) times weight_scale, and a third of the rows' targets the row's max (so the token
+    accuracy is not 0 by chance; fp32 cases only: a lower precision's logits may tie or swap the top two)."""
+    def build(m: Inputs):
+        x, w = m.randn(m.N, m.H), m.weight()
+        target = m.labels(m.N, ignored=(1,), all_ignored=all_ignored)
+        if not all_ignored:
+            target[::3] = (x.float() @ w.float().T).argmax(-1)[::3]
+        ce_weight = (torch.rand(m.V, device=m.device) * 2 + 0.2) * weight_scale
+        return dict(input=x, weight=w, target=target, bias=None, ce_weight=ce_weight), dict(reduction=reduction,
+                                                                                            **options)
+    return build
+
+
 def _flce_rows(rows):
     def build(m: Inputs):
         n = max(rows, 3)
@@ -826,6 +840,8 @@ def _fp16_beyond(op):
 
 
 FP16 = (torch.float16,)
+FP32 = (torch.float32,)
+STATS = dict(return_z_loss=True, return_token_accuracy=True)
 FLCE_OPTIONS = {  # every reduction, and each term of the loss alone and together
     "mean": dict(),
     "sum": dict(reduction="sum"),
@@ -870,6 +886,15 @@ CASES: dict[str, list[Case]] = {
         Case("fp16-zloss-none", _fp16_overflow("flce", 8.0, lse_square_scale=0.5, reduction="none"), HEAD,
              dtypes=FP16),
         Case("fp16-grad-beyond-fp16", _fp16_beyond("flce"), HEAD, upstream=0.25, dtypes=FP16),
+        # liger-kernel's options: class weights, the z-loss and the token accuracy returned (no gradient of their own)
+        Case("weights-mean-stats", _flce_weighted("mean", label_smoothing=0.1, lse_square_scale=1e-2, **STATS), HEAD,
+             used=(0,), dtypes=FP32),
+        Case("weights-none-stats", _flce_weighted("none", lse_square_scale=1e-2, **STATS), HEAD, used=(0,),
+             dtypes=FP32),
+        Case("weights-sum-softcap", _flce_weighted("sum", softcap=3.0, label_smoothing=0.2), HEAD),
+        Case("weights-all-ignored-stats", _flce_weighted("mean", all_ignored=True, label_smoothing=0.1, **STATS), HEAD,
+             used=(0,), dtypes=FP32),
+        Case("fp16-large-weights", _flce_weighted("sum", weight_scale=64.0, label_smoothing=0.1), HEAD, dtypes=FP16),
     ],
     "fused_linear_logprobs": [
         Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from liger_dispatch.compose import fused_linear as fl
-from liger_dispatch.compose.grad_bounds import Bound, logit_bound, norm, wide
+from liger_dispatch.compose.grad_bounds import Bound, logit_bound, norm
 from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
 from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
@@ -192,14 +192,14 @@ def grad_bound(x, weight, bias, *, softcap=None, lse_square_scale=0.0, ce_weight
     return 2.0 * weights + 2.0 * lse_square_scale * lse
 
 
-def class_weights(ce_weight, labels, ignore_index, count, mean) -> Optional[torch.Tensor]:
-    """The class weights the kernels take, contiguous and at least fp32; for a mean times count / sum_i w_(y_i)
+def class_weights(ce_weight, dtype, labels, ignore_index, count, mean) -> Optional[torch.Tensor]:
+    """The class weights the kernels take, contiguous in `dtype` (the loss's); for a mean times count / sum_i w_(y_i)
     over the rows not ignored, so that the kernels' common scale 1 / count divides the cross-entropy by the sum of
     the target weights (torch's rule) and the z-loss by the count (liger-kernel's). A zero sum gives weights 0: a
     mean over nothing is 0, as when every row is ignored."""
     if ce_weight is None:
         return None
-    weights = ce_weight.to(wide(ce_weight)).contiguous()
+    weights = ce_weight.to(dtype).contiguous()
     if not mean:
         return weights
     target_sum = target_weights(weights, labels, ignore_index).sum()
@@ -231,7 +231,7 @@ def compose_flce(kernel, vocab_parallel=None):
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
         count = fl.valid_count(labels, x.shape[0], ignore_index, x.device) if mean or asked else None
-        weights = class_weights(ce_weight, labels, ignore_index, count, mean)
+        weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale, ce_weight=weights)
         if row_weights is not None:
@@ -255,11 +255,10 @@ def compose_flce(kernel, vocab_parallel=None):
             loss = rows.view(target.shape)
         else:
             loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
-        z_loss = token_accuracy = loss.new_empty(0)
-        if asked:
-            z_loss, token_accuracy = row_statistics(row_stats, count, reduction, lse_square_scale, target.shape)
-        return (loss, z_loss if return_z_loss else loss.new_empty(0),
-                token_accuracy if return_token_accuracy else loss.new_empty(0),
+        z_loss, token_accuracy = (row_statistics(row_stats, count, reduction, lse_square_scale, target.shape)
+                                  if asked else (None, None))
+        empty = loss.new_empty(0)
+        return (loss, z_loss if return_z_loss else empty, token_accuracy if return_token_accuracy else empty,
                 None if dx is None else dx.view(input.shape), dw, None if db is None else db.to(fl.grad_dtype(bias)))
 
     return flce
@@ -320,7 +319,8 @@ def vocab_parallel_kernel(shard: VocabShard, kernels):
 # ---------------------------------------------------------------- tuning
 
 
-def bucket(input, weight, target, bias=None, *, label_smoothing=0.0, softcap=None, lse_square_scale=0.0, **_):
+def bucket(input, weight, target, bias=None, ce_weight=None, *, label_smoothing=0.0, softcap=None,
+           lse_square_scale=0.0, **_):
     rest = (("v", tp.pow2_ceil(weight.shape[0])),)
     if softcap is not None or label_smoothing or lse_square_scale:
         rest += tuple((name, "on") for name, on in (("softcap", softcap is not None), ("smoothing", label_smoothing),

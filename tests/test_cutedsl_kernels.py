@@ -273,6 +273,30 @@ def test_gpu_ce_matches_reference(dtype, V):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("V", GPU_VOCABS)
+def test_gpu_ce_class_weights_and_row_stats_match_reference(dtype, V):
+    """Class weights with and without smoothing (the weights then read per column), softcap, and the rows'
+    (lse, target is the max) written: a row whose target is its max, one ignored."""
+    torch.manual_seed(0)
+    C = 6
+    weights = torch.rand(V, device="cuda") * 2 + 0.2
+    for opts, pad in [(dict(ce_weight=weights), 8), (dict(ce_weight=weights, label_smoothing=0.1, softcap=20.0,
+                                                           lse_square_scale=1e-4), 0)]:
+        x = strided_rows(C, V, dtype, pad)
+        target = torch.randint(0, V, (C,), device="cuda")
+        target[1], target[3] = -100, x[3].float().argmax()
+        scale = torch.rand(C, device="cuda")
+        expected_stats = formulas.ce_row_stats(x.float(), target, softcap=opts.get("softcap"))
+        ref_loss, ref_grad = _reference_rows(lambda z, y: formulas.ce_rows(z, y, **opts), x, target, grad_scale=scale)
+        row_stats = torch.full((C, 2), 7.0, device="cuda")
+        loss = ce.ce_loss_and_grad(x, target, grad_scale=scale, row_stats=row_stats, **opts)
+        _compare(f"ce {sorted(opts)}", dtype, loss, x, ref_loss, ref_grad)
+        assert torch.equal(row_stats[:, 1], expected_stats[:, 1]) and row_stats[3, 1] == 1
+        torch.testing.assert_close(row_stats[:, 0], expected_stats[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("V", GPU_VOCABS)
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_gpu_jsd_matches_reference(dtype, V, beta):
     torch.manual_seed(0)

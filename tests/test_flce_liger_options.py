@@ -93,6 +93,18 @@ def assert_close(got, want, atol, rtol):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
+def assert_same_loss_and_grads(out1, out2, x1, x2, torch_ce, ours, atol, rtol):
+    """ours' loss (out2 of x2) against torch's (out1 of x1), and after a backward of ones the gradients of the
+    inputs and of each head's parameters."""
+    assert_close(out2, out1, atol, rtol)
+    out1.backward(gradient=torch.ones_like(out1))
+    out2.backward(gradient=torch.ones_like(out2))
+    assert_close(x2.grad, x1.grad, atol, rtol)
+    assert_close(ours.lin.weight.grad, torch_ce.lin.weight.grad, atol, rtol)
+    if ours.lin.bias is not None:
+        assert_close(ours.lin.bias.grad, torch_ce.lin.bias.grad, atol, rtol)
+
+
 def ignored_targets(BT, V, ignore_index):
     """liger-kernel's targets: random classes, a random count of them (at least one) set to ignore_index."""
     target = torch.randint(0, V, (BT,), device=DEVICE, dtype=torch.long)
@@ -143,13 +155,7 @@ def test_correctness(backend, B, T, H, V, reduction, scalar, dtype, atol, rtol, 
         assert_close(z2, z1, atol, rtol)
     else:
         out1, out2 = torch_ce(x1, target), ours(x2, target)
-    assert_close(out2, out1, atol, rtol)
-    out1.backward(gradient=torch.ones_like(out1))
-    out2.backward(gradient=torch.ones_like(out2))
-    assert_close(x2.grad, x1.grad, atol, rtol)
-    assert_close(ours.lin.weight.grad, torch_ce.lin.weight.grad, atol, rtol)
-    if bias:
-        assert_close(ours.lin.bias.grad, torch_ce.lin.bias.grad, atol, rtol)
+    assert_same_loss_and_grads(out1, out2, x1, x2, torch_ce, ours, atol, rtol)
 
 
 def functional_cases():
@@ -227,13 +233,7 @@ def test_correctness_with_token_accuracy(backend, B, T, H, V, reduction, scalar,
     else:
         out2 = result
         assert not isinstance(result, ld.CrossEntropyOutput)
-    assert_close(out2, out1, atol, rtol)
-    out1.backward(gradient=torch.ones_like(out1))
-    out2.backward(gradient=torch.ones_like(out2))
-    assert_close(x2.grad, x1.grad, atol, rtol)
-    assert_close(ours.lin.weight.grad, torch_ce.lin.weight.grad, atol, rtol)
-    if bias:
-        assert_close(ours.lin.bias.grad, torch_ce.lin.bias.grad, atol, rtol)
+    assert_same_loss_and_grads(out1, out2, x1, x2, torch_ce, ours, atol, rtol)
 
 
 STRUCTURED = [(z, acc) for z in (False, True) for acc in (False, True)]

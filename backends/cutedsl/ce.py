@@ -228,6 +228,7 @@ def weight_views(ce_weight, start, width, smoothing):
     smoothing term reads them per column, else None); (None, None) without class weights."""
     if ce_weight is None:
         return None, None
+    ce_weight = ce_weight.float()  # what the kernels were compiled for (no copy when it is fp32 already)
     return ce_weight, ce_weight[start:start + width].view(1, width) if smoothing else None
 
 
