@@ -10,7 +10,7 @@ def row_stats(logits: torch.Tensor, n_stats: int, labels: Optional[torch.Tensor]
     """The per-row statistics of this rank's [C, Vl] slice, allocated: (fp32 [C, n_stats], C, Vl).
 
     A slice with no columns has nothing to launch for: its statistics are filled here, -inf in the log-sum-exp
-    columns of the rows not ignored, 0 elsewhere (no host sync)."""
+    (and max) columns `lse_columns` of the rows not ignored, 0 elsewhere (no host sync)."""
     C, V = logits.shape
     stats = torch.empty(C, n_stats, dtype=torch.float32, device=logits.device)
     if V == 0:

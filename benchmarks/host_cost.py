@@ -66,23 +66,26 @@ def _like(spec) -> inspect.Signature:
 
 
 def register_noop(op: str, device: torch.device) -> str:
-    """A backend of `op` that computes nothing: a preallocated loss, and for each gradient asked for a preallocated
-    tensor of its shape (the op's contract, checked on a signature's first call); never picked unless pinned."""
+    """A backend of `op` that computes nothing: a preallocated loss, the op's other outputs (statistics) and for each
+    gradient asked for a preallocated tensor of its shape (the op's contract, checked on a signature's first call);
+    never picked unless pinned."""
     spec = TABLE.spec(op)
     loss = torch.zeros((), device=device)
-    made: dict = {}  # (shape, dtype) -> a gradient buffer
+    made: dict = {}  # (shape, dtype) -> a buffer
 
-    def grad_like(t):
-        key = (t.shape, t.dtype)
+    def buffer(shape, dtype):
+        key = (tuple(shape), dtype)
         if key not in made:
-            made[key] = torch.empty_like(t, dtype=grad_dtype(t))
+            made[key] = torch.empty(shape, dtype=dtype, device=device)
         return made[key]
 
     def noop(*args, need_grads=(), **kwargs):
         a = spec.schema.bind(args, {k: v for k, v in kwargs.items() if k not in spec.extra.names})
         need = wanted_grads(need_grads, len(spec.differentiable))
         tensors = [getattr(a, n) for n in spec.differentiable]
-        return (loss, *(grad_like(t) if w and t is not None else None for w, t in zip(need, tensors)))
+        statistics = spec.fake(a)[1:] if spec.schema.returns > 1 else ()
+        return (loss, *(buffer(t.shape, t.dtype) for t in statistics),
+                *(buffer(t.shape, grad_dtype(t)) if w and t is not None else None for w, t in zip(need, tensors)))
 
     noop.__signature__ = _like(spec)
     ld.register_backend(op, backend="noop", priority=1 << 20, capability=ld.Capability(devices=(device.type,)),

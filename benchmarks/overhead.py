@@ -32,13 +32,14 @@ def measure(device: torch.device) -> list[tuple[str, Outcome]]:
     from liger_dispatch import dispatch
     from liger_dispatch.core import selection
 
-    result = torch.ones((), device=device)
+    result, empty = torch.ones((), device=device), torch.empty(0, device=device)
 
-    def noop(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
-             row_weights=None):
-        """flce's signature (the schema, then the implementations' extras): the loss and no gradients."""
-        return result, None, None, None
+    def noop(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
+             label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
+             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+        """flce's signature (the schema, then the implementations' extras): the loss, no statistics, no
+        gradients."""
+        return result, empty, empty, None, None, None
 
     ld.register_backend("flce", backend=NOOP_BACKEND, priority=1 << 20,
                         capability=ld.Capability(devices=(device.type,)))(noop)

@@ -13,12 +13,13 @@ from liger_dispatch.errors import (BackendError, BackendUnavailableError, Config
 from liger_dispatch.core.selection import use_backend
 from liger_dispatch.core.table import declare_op_locations, register_backend
 from liger_dispatch import registry  # noqa: E402  (declares every op; imports no backend)
+from liger_dispatch.registry.cross_entropy import CrossEntropyOutput  # noqa: E402
 
 __all__ = [
     "dispatch", "op", "available_backends", "registered_backends", "use_backend", "register_backend",
     "declare_op_locations", "Capability", "LigerDispatchError", "UnknownOpError", "UnknownBackendError",
     "BackendUnavailableError", "BackendError", "RegistrationError", "ConfigError", "InputError", "FallbackWarning",
-    "nn",
+    "CrossEntropyOutput", "nn",
 ]
 
 

@@ -55,17 +55,22 @@ class OpHandle:
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
-            return torch_ops.call(self._spec, self._backend_arg, self._bound(args, kwargs)[0])
+            a = self._bound(args, kwargs)[0]
+            return self._result(a, torch_ops.call(self._spec, self._backend_arg, a))
         signature = calls.key(self._spec, self.pinned, args, kwargs)
         plan = calls.get(signature)
         if plan is None or plan.launch is None:
             return self._first_call(signature, args, kwargs)
         a = self._spec.schema.rebind(args, kwargs)
         if not autocast.enabled():
-            return torch_ops.replay(self._spec, plan, a, args, kwargs)
+            return self._result(a, torch_ops.replay(self._spec, plan, a, args, kwargs))
         a, args, kwargs = self._cast(a, args, kwargs)
         with autocast.disabled(a):
-            return torch_ops.replay(self._spec, plan, a, args, kwargs)
+            return self._result(a, torch_ops.replay(self._spec, plan, a, args, kwargs))
+
+    def _result(self, a, outputs):
+        """What the call returns: the op's outputs, or what its spec makes of them (OpSpec.result)."""
+        return outputs if self._spec.result is None else self._spec.result(a, outputs)
 
     def _first_call(self, signature, args: tuple, kwargs: dict):
         """The whole eager path; its plan is remembered for the next call of the same signature (calls.py)."""
@@ -74,7 +79,7 @@ class OpHandle:
             a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
         plan = _autocast_off(a, torch_ops.plan, self._spec, self.pinned, a, args, kwargs)
         calls.remember(signature, plan, getattr(a, "process_group", None))
-        return _autocast_off(a, plan.launch, a, args, kwargs)
+        return self._result(a, _autocast_off(a, plan.launch, a, args, kwargs))
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""

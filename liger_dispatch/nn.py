@@ -29,17 +29,31 @@ class _Dispatched(torch.nn.Module):
 
 
 class FusedLinearCrossEntropyLoss(_Dispatched):
-    """Cross-entropy of `input @ weight.T (+ bias)` against `target`, without materializing the logits."""
+    """Cross-entropy of `input @ weight.T (+ bias)` against `target`, without materializing the logits.
+
+    The options of liger-kernel's LigerFusedLinearCrossEntropyLoss: `ce_weight` [V], class weights as torch's
+    F.cross_entropy `weight=` (a buffer: it moves with the module, outside the state dict); with `return_z_loss` or
+    `return_token_accuracy` forward returns a CrossEntropyOutput (loss, z_loss, token_accuracy), the accuracy being
+    the fraction of rows whose target's logit is the row's max (a tie counts as predicted; argmax takes the first).
+    """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  softcap: Optional[float] = None, lse_square_scale: float = 0.0,
-                 accum_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None, process_group=None):
+                 accum_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None, process_group=None, *,
+                 ce_weight: Optional[torch.Tensor] = None, return_z_loss: bool = False,
+                 return_token_accuracy: bool = False):
         super().__init__("flce", backend, ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
+                         return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
                          accum_dtype=accum_dtype, process_group=process_group)
+        self.register_buffer("ce_weight", ce_weight, persistent=False)
 
     def forward(self, input, weight, target, bias=None):
-        return self._call(input, weight, target, bias)
+        return self._call(input, weight, target, bias, self.ce_weight)
+
+    def extra_repr(self) -> str:
+        weights = "" if self.ce_weight is None else f"ce_weight=[{self.ce_weight.shape[0]}], "
+        return weights + super().extra_repr()
 
 
 class FusedLinearJSDLoss(_Dispatched):

@@ -122,6 +122,8 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
+        if g is None and w is None:  # an output the call did not ask for (CrossEntropyOutput's None fields)
+            continue
         results.append(measure(f"output {i}", g.float(), w.float(), tol))
         if used is not None and i not in used:
             continue
@@ -325,10 +327,28 @@ def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
     return args, options
 
 
-def _mutated(op) -> list[int]:
-    """Positions of the parameters an op writes in place (`Tensor(a!)` in its schema)."""
+def _written(op) -> list:
+    """The parameters an op writes in place (`Tensor(a!)` in its schema)."""
     parsed = torch._C.parse_schema(TABLE.spec(op).schema_text)
-    return [i for i, a in enumerate(parsed.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    return [a for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _mutated(op) -> list[int]:
+    """Positions of the positional parameters an op writes in place."""
+    names = TABLE.spec(op).schema.names
+    return [names.index(a.name) for a in _written(op) if not a.kwarg_only]
+
+
+def _mutated_keywords(op) -> list[str]:
+    """The keyword-only parameters an op writes in place (an optional output, as ce_loss_and_grad's row_stats)."""
+    return [a.name for a in _written(op) if a.kwarg_only]
+
+
+def _widened(value):
+    """A copy of a floating tensor with dims in float64 (the reference's inputs), of another tensor as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
+        return value.detach().double()
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _fresh(args: tuple, grad: bool = True) -> tuple:
@@ -354,17 +374,19 @@ def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
     writes in place."""
     args, kwargs = sample_call(op, device)
     mine = _fresh(args, grad=False)
-    theirs = tuple(a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim()
-                   else a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args)
-    got = dispatch.op(op, backend=backend)(*mine, **kwargs)
+    mine_kwargs, theirs_kwargs = (dict(zip(kwargs, _fresh(tuple(kwargs.values()), grad=False))) for _ in range(2))
+    theirs = tuple(_widened(a) for a in args)
+    got = dispatch.op(op, backend=backend)(*mine, **mine_kwargs)
     try:
-        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+        want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
     except InputError:  # an op that takes some tensors in fp32 only (mHC's b): the reference on the same dtypes
         theirs = _fresh(args, grad=False)
-        want = dispatch.op(op, backend="reference")(*theirs, **kwargs)
+        want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
     pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(*(
         [t for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, torch.Tensor)] for o in (got, want))))]
     pairs += [(f"{TABLE.spec(op).schema.names[i]} (written in place)", mine[i], theirs[i]) for i in _mutated(op)]
+    pairs += [(f"{name} (written in place)", mine_kwargs[name], theirs_kwargs[name])
+              for name in _mutated_keywords(op) if kwargs.get(name) is not None]
     return [measure(name, g.float(), w, TOLERANCE[torch.float32]) for name, g, w in pairs]
 
 
@@ -694,6 +716,20 @@ def _flce_bias_3d_noncontiguous(m: Inputs):
     return inputs, dict(label_smoothing=0.05)
 
 
+def _flce_weighted(reduction, weight_scale=1.0, all_ignored=False, **options):
+    """Class weights in [0.2, 2.2) times weight_scale, and a third of the rows' targets the row's max (so the token
+    accuracy is not 0 by chance; fp32 cases only: a lower precision's logits may tie or swap the top two)."""
+    def build(m: Inputs):
+        x, w = m.randn(m.N, m.H), m.weight()
+        target = m.labels(m.N, ignored=(1,), all_ignored=all_ignored)
+        if not all_ignored:
+            target[::3] = (x.float() @ w.float().T).argmax(-1)[::3]
+        ce_weight = (torch.rand(m.V, device=m.device) * 2 + 0.2) * weight_scale
+        return dict(input=x, weight=w, target=target, bias=None, ce_weight=ce_weight), dict(reduction=reduction,
+                                                                                            **options)
+    return build
+
+
 def _flce_rows(rows):
     def build(m: Inputs):
         n = max(rows, 3)
@@ -804,6 +840,8 @@ def _fp16_beyond(op):
 
 
 FP16 = (torch.float16,)
+FP32 = (torch.float32,)
+STATS = dict(return_z_loss=True, return_token_accuracy=True)
 FLCE_OPTIONS = {  # every reduction, and each term of the loss alone and together
     "mean": dict(),
     "sum": dict(reduction="sum"),
@@ -848,6 +886,15 @@ CASES: dict[str, list[Case]] = {
         Case("fp16-zloss-none", _fp16_overflow("flce", 8.0, lse_square_scale=0.5, reduction="none"), HEAD,
              dtypes=FP16),
         Case("fp16-grad-beyond-fp16", _fp16_beyond("flce"), HEAD, upstream=0.25, dtypes=FP16),
+        # liger-kernel's options: class weights, the z-loss and the token accuracy returned (no gradient of their own)
+        Case("weights-mean-stats", _flce_weighted("mean", label_smoothing=0.1, lse_square_scale=1e-2, **STATS), HEAD,
+             used=(0,), dtypes=FP32),
+        Case("weights-none-stats", _flce_weighted("none", lse_square_scale=1e-2, **STATS), HEAD, used=(0,),
+             dtypes=FP32),
+        Case("weights-sum-softcap", _flce_weighted("sum", softcap=3.0, label_smoothing=0.2), HEAD),
+        Case("weights-all-ignored-stats", _flce_weighted("mean", all_ignored=True, label_smoothing=0.1, **STATS), HEAD,
+             used=(0,), dtypes=FP32),
+        Case("fp16-large-weights", _flce_weighted("sum", weight_scale=64.0, label_smoothing=0.1), HEAD, dtypes=FP16),
     ],
     "fused_linear_logprobs": [
         Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),
@@ -907,8 +954,9 @@ def _labels(m: Inputs, rows=6, vocab=40):
 
 
 def _ce_sample(m):
-    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(grad_scale=torch.rand(6, device=m.device) + 0.1,
-                                                         label_smoothing=0.1)
+    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(
+        grad_scale=torch.rand(6, device=m.device) + 0.1, label_smoothing=0.1,
+        ce_weight=torch.rand(40, device=m.device) + 0.5, row_stats=torch.zeros(6, 2, device=m.device))
 
 
 def _jsd_sample(m):
@@ -940,7 +988,8 @@ KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
     "kl_div_loss_and_grad": _kl_sample,
     "mhc_coeff_fwd": _mhc_fwd_sample,
     "mhc_coeff_bwd": _mhc_bwd_sample,
-    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)), dict(vocab_start=30)),
+    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)),
+                              dict(vocab_start=30, ce_weight=torch.rand(80, device=m.device) + 0.5)),
     "jsd_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)),
                                dict(temperature=2.0)),
     "kl_div_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), {}),
@@ -949,9 +998,9 @@ KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
 
 
 def _ce_vp_grad(m):
-    logits, target = m.randn(6, 40, scale=4.0), _labels(m, vocab=80)
-    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30)
-    return (logits, target, stats[:, 0].contiguous()), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1)
+    logits, target, weights = m.randn(6, 40, scale=4.0), _labels(m, vocab=80), torch.rand(80, device=m.device) + 0.5
+    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30, ce_weight=weights)
+    return (logits, target, stats), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1, ce_weight=weights)
 
 
 def _jsd_vp(which):

@@ -44,14 +44,19 @@ def test_add_a_backend_example_registers_and_serves_flce(isolated_table, capsys)
     assert "mine" in dispatch.available_backends("flce", device="cpu", dtype=torch.float32)
     x, y = torch.randn(6, 16), torch.tensor([3, -100, 0, 7, 9, 1])
     w = torch.randn(10, 16) * 0.5
-    options = dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-2, reduction="sum")
+    options = dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-2, return_z_loss=True,
+                   return_token_accuracy=True)
 
-    def run(backend, dtype):
+    def run(backend, dtype, **more):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (x, w)]
-        loss = dispatch.op("flce", backend=backend)(*inputs, y, **options)
-        loss.backward()
-        return loss, *(t.grad for t in inputs)
+        out = dispatch.op("flce", backend=backend)(*inputs, y, None, torch.rand(10) + 0.5, **options, **more)
+        out.loss.sum().backward()
+        return *out, *(t.grad for t in inputs)
 
-    for name, got, want in zip(("loss", "input grad", "weight grad"), run("mine", torch.float32),
-                               run("reference", torch.float64)):
-        assert_rel_close(name, got, want, 1e-5)
+    names = ("loss", "z_loss", "accuracy", "input grad", "weight grad")
+    for reduction in ("sum", "none"):
+        torch.manual_seed(0)
+        mine = run("mine", torch.float32, reduction=reduction)
+        torch.manual_seed(0)
+        for name, got, want in zip(names, mine, run("reference", torch.float64, reduction=reduction)):
+            assert_rel_close(name, got, want, 1e-5)

@@ -210,10 +210,10 @@ def _ce_returning(wrong):
     from liger_dispatch.backends.reference.ce import ce_loss_and_grad
 
     def kernel(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-               lse_square_scale=0.0):
+               lse_square_scale=0.0, ce_weight=None, row_stats=None):
         return wrong(ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
                                       label_smoothing=label_smoothing, softcap=softcap,
-                                      lse_square_scale=lse_square_scale))
+                                      lse_square_scale=lse_square_scale, ce_weight=ce_weight, row_stats=row_stats))
 
     return kernel
 
@@ -235,14 +235,15 @@ def test_what_a_backend_returns_is_checked_against_the_fake(isolated_table, wron
 
 
 def test_a_whole_op_implementation_returning_one_gradient_too_few_is_named(isolated_table):
-    def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-             softcap=None, lse_square_scale=0.0, accum_dtype=None, process_group=None, need_grads=(),
-             row_weights=None):
-        return torch.zeros((), dtype=torch.float32), None, None  # the bias gradient is missing
+    def flce(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
+             label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
+             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+        empty = torch.empty(0)
+        return torch.zeros((), dtype=torch.float32), empty, empty, None, None  # the bias gradient is missing
 
     ld.register_backend("flce", backend="whole", priority=1, capability=CPU)(flce)
     x, w, y = torch.randn(6, 8), torch.randn(32, 8), torch.randint(0, 32, (6,))
-    with pytest.raises(ld.BackendError, match="whole's implementation of flce returned 3 outputs, the op returns 4"):
+    with pytest.raises(ld.BackendError, match="whole's implementation of flce returned 5 outputs, the op returns 6"):
         dispatch.op("flce", backend="whole")(x, w, y)
 
 
@@ -252,4 +253,5 @@ def test_the_signature_error_prints_the_whole_op_contract():
     text = str(info.value)
     assert "parameter 'bias' is missing" in text
     assert "keyword-only after them, need_grads=[], row_weights=None" in text
-    assert "it returns (the loss, the gradient of input, the gradient of weight, the gradient of bias)" in text
+    assert ("it returns (its 3 outputs, the loss first, a statistic the call does not ask for as an empty tensor; "
+            "the gradient of input, the gradient of weight, the gradient of bias)") in text

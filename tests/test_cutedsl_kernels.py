@@ -61,6 +61,8 @@ VARIANTS = [
     (ce, (bf16, i64, 8, ce.LAUNCH.default, False, False, False)),
     (ce, (fp32, i64, 4, RowLaunch(threads=1024, unroll=2, l2_hints=False), True, True, True)),
     (ce, (fp16, i32, 1, ce.LAUNCH.default, True, False, True)),
+    (ce, (bf16, i64, 4, ce.LAUNCH.default, True, True, True, True, True)),
+    (ce, (fp32, i64, 4, ce.LAUNCH.default, False, False, False, True, True)),
     (jsd, (bf16, bf16, i64, 8, jsd.LAUNCH.default, jsd.FORWARD_KL, True)),
     (jsd, (bf16, bf16, None, 8, RowLaunch(threads=512, unroll=4), jsd.REVERSE_KL, False)),
     (jsd, (fp32, bf16, i64, 4, jsd.LAUNCH.default, jsd.MIXTURE, True)),
@@ -100,7 +102,8 @@ def test_new_rows_columns_or_row_stride_reuse_the_compile_key(recorder):
     for C, V, pad in [(3, 64, 0), (17, 1024, 0), (5, 128256, 0), (2, 256, 64)]:
         buf = torch.randn(C, V + pad)
         ce.ce_loss_and_grad(buf[:, :V], torch.zeros(C, dtype=i64))
-    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, ce.LAUNCH.default, False, False, False)
+    assert len(set(recorder.keys)) == 1 and recorder.keys[0] == (fp32, i64, 4, ce.LAUNCH.default, False, False, False,
+                                                                 False, False)
 
 
 def test_vector_width_follows_alignment_of_columns_stride_and_base():
@@ -148,7 +151,7 @@ def test_required_arguments_only_take_the_schema_defaults(recorder):
     assert recorder.keys[-1][2:] == (None, 4, kl_div.LAUNCH.default, False, False)
     assert recorder.calls[-1][2] is None and recorder.calls[-1][4:] == (None, 0, -100, 1.0, 1e-10)
     ce.ce_loss_and_grad(s, torch.zeros(3, dtype=i64))
-    assert recorder.keys[-1][4:] == (False, False, False) and recorder.calls[-1][5:] == (-100, 0.0, 0.0, 1.0)
+    assert recorder.keys[-1][4:] == (False,) * 5 and recorder.calls[-1][5:] == (None, None, None, -100, 0.0, 0.0, 1.0)
 
 
 def test_launch_knobs_are_set_outside_the_op_arguments(recorder):
@@ -198,6 +201,10 @@ def _probe_calls():
         lambda: ce.ce_loss_and_grad(wide(1001, 3, fp16), y64.int(), grad_scale=torch.rand(2 * C)[::2],
                                     label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4),
         lambda: ce.ce_loss_and_grad(wide(64, 0, fp32), y64),
+        lambda: ce.ce_loss_and_grad(wide(1000, 8, bf16), y64, label_smoothing=0.1, ce_weight=torch.rand(1000),
+                                    row_stats=torch.zeros(C, 2)),
+        lambda: ce.ce_loss_and_grad(wide(1001, 0, fp16), y64.int(), ce_weight=torch.rand(1001),
+                                    row_stats=torch.zeros(2 * C, 2)[C:]),
         lambda: jsd.jsd_loss_and_grad(wide(512, 0, bf16), wide(512, 0, fp32), None, beta=0.5,
                                       grad_scale=torch.tensor(0.5).expand(C)),
         lambda: jsd.jsd_loss_and_grad(wide(300, 8, fp16), wide(300, 0, fp16), y64.int(), beta=0.0, temperature=2.0),
@@ -261,6 +268,30 @@ def test_gpu_ce_matches_reference(dtype, V):
         loss = ce.ce_loss_and_grad(x, target, grad_scale=scale, **opts)
         _compare(f"ce {opts}", dtype, loss, x, ref_loss, ref_grad)
         assert not x[1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("V", GPU_VOCABS)
+def test_gpu_ce_class_weights_and_row_stats_match_reference(dtype, V):
+    """Class weights with and without smoothing (the weights then read per column), softcap, and the rows'
+    (lse, target is the max) written: a row whose target is its max, one ignored."""
+    torch.manual_seed(0)
+    C = 6
+    weights = torch.rand(V, device="cuda") * 2 + 0.2
+    for opts, pad in [(dict(ce_weight=weights), 8), (dict(ce_weight=weights, label_smoothing=0.1, softcap=20.0,
+                                                           lse_square_scale=1e-4), 0)]:
+        x = strided_rows(C, V, dtype, pad)
+        target = torch.randint(0, V, (C,), device="cuda")
+        target[1], target[3] = -100, x[3].float().argmax()
+        scale = torch.rand(C, device="cuda")
+        expected_stats = formulas.ce_row_stats(x.float(), target, softcap=opts.get("softcap"))
+        ref_loss, ref_grad = _reference_rows(lambda z, y: formulas.ce_rows(z, y, **opts), x, target, grad_scale=scale)
+        row_stats = torch.full((C, 2), 7.0, device="cuda")
+        loss = ce.ce_loss_and_grad(x, target, grad_scale=scale, row_stats=row_stats, **opts)
+        _compare(f"ce {sorted(opts)}", dtype, loss, x, ref_loss, ref_grad)
+        assert torch.equal(row_stats[:, 1], expected_stats[:, 1]) and row_stats[3, 1] == 1
+        torch.testing.assert_close(row_stats[:, 0], expected_stats[:, 0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -42,10 +42,13 @@ def test_capability_judges_the_slice_and_its_index_tensor_wherever_it_is_passed(
 
 
 VARIANTS = [
-    ("_ce_stats", (bf16, i64, 8, vp.CE_LAUNCH.default, False)),
-    ("_ce_stats", (fp32, i32, 1, vp.CE_LAUNCH.default, True)),
-    ("_ce_grad", (bf16, i64, 8, vp.CE_LAUNCH.default, True, True)),
-    ("_ce_grad", (fp16, i64, 2, RowLaunch(threads=1024, unroll=2, l2_hints=False), False, False)),
+    ("_ce_stats", (bf16, i64, 8, vp.CE_LAUNCH.default, False, False)),
+    ("_ce_stats", (fp32, i32, 1, vp.CE_LAUNCH.default, True, False)),
+    ("_ce_stats", (bf16, i64, 4, vp.CE_LAUNCH.default, True, True)),
+    ("_ce_grad", (bf16, i64, 8, vp.CE_LAUNCH.default, True, True, False, False)),
+    ("_ce_grad", (fp16, i64, 2, RowLaunch(threads=1024, unroll=2, l2_hints=False), False, False, False, False)),
+    ("_ce_grad", (bf16, i64, 4, vp.CE_LAUNCH.default, True, True, True, True)),
+    ("_ce_grad", (fp32, i64, 4, vp.CE_LAUNCH.default, True, False, True, False)),
     ("_jsd_stats", (bf16, bf16, i64, 8, vp.JSD_LAUNCH.default)),
     ("_jsd_sums", (bf16, bf16, i64, 8, vp.JSD_LAUNCH.default, jsd.FORWARD_KL)),
     ("_jsd_sums", (fp32, bf16, None, 4, vp.JSD_LAUNCH.default, jsd.REVERSE_KL)),
@@ -87,14 +90,17 @@ def _probe_calls():
     C = 6
     y = torch.tensor([0, -100, 2, 300, 4, 5])
     wide = lambda V, pad, dtype: torch.randn(C, V + pad).to(dtype)[:, :V]  # noqa: E731
-    stats4 = torch.randn(C, 4)
+    stats4, stats5 = torch.randn(C, 4), torch.randn(C, 5)
     pair = torch.randn(C, 2)
     calls = [
         lambda: vp.ce_vp_stats(wide(1000, 0, bf16), y, vocab_start=200),
         lambda: vp.ce_vp_stats(wide(1001, 3, fp32), y.int(), softcap=30.0),
-        lambda: vp.ce_vp_grad(wide(1000, 8, bf16), y, stats4[:, 0], vocab_start=200, vocab_size=3000,
+        lambda: vp.ce_vp_stats(wide(1000, 0, bf16), y, vocab_start=200, ce_weight=torch.rand(3000)),
+        lambda: vp.ce_vp_grad(wide(1000, 8, bf16), y, stats5, vocab_start=200, vocab_size=3000,
                               grad_scale=torch.tensor(0.5), label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4),
-        lambda: vp.ce_vp_grad(wide(64, 0, fp16), y.int(), torch.randn(C), grad_scale=torch.rand(2 * C)[::2]),
+        lambda: vp.ce_vp_grad(wide(64, 0, fp16), y.int(), stats5, grad_scale=torch.rand(2 * C)[::2]),
+        lambda: vp.ce_vp_grad(wide(1000, 0, bf16), y, stats5, vocab_start=204, vocab_size=3000, label_smoothing=0.1,
+                              ce_weight=torch.rand(3000)),
         lambda: vp.jsd_vp_stats(wide(512, 0, bf16), wide(512, 0, fp32), y, temperature=2.0),
         lambda: vp.jsd_vp_sums(wide(300, 8, fp16), wide(300, 0, fp16), pair, None, beta=0.0),
         lambda: vp.jsd_vp_sums(wide(256, 0, bf16), wide(256, 0, bf16), pair, y.int(), beta=0.3),

@@ -35,7 +35,7 @@ ARGS = {
     "mhc_coeff_fwd": lambda: (torch.randn(3, HC * C), *_mhc_params()),
     "ce_loss_and_grad": lambda: (torch.randn(N, V), _labels(N)),
     "ce_vp_stats": lambda: (torch.randn(N, V), _labels(N)),
-    "ce_vp_grad": lambda: (torch.randn(N, V), _labels(N), torch.zeros(N)),
+    "ce_vp_grad": lambda: (torch.randn(N, V), _labels(N), torch.zeros(N, 5)),
     "jsd_loss_and_grad": lambda: (torch.randn(N, V), torch.randn(N, V)),
     "jsd_vp_stats": lambda: (torch.randn(N, V), torch.randn(N, V)),
     "jsd_vp_sums": lambda: (torch.randn(N, V), torch.randn(N, V), torch.zeros(N, 2)),

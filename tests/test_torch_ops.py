@@ -117,7 +117,8 @@ def test_opcheck_losses(op):
     _opcheck(op, args, dict(LOSSES[op], need_grads=need, backend="reference"))
     if op == "flce":
         _opcheck(op, args, dict(reduction="none", backend="reference"))
-        _opcheck(op, (*args, torch.rand(N)), dict(reduction="sum", need_grads=[True, True, True], backend="reference"))
+        _opcheck(op, (*args, None, torch.rand(N)), dict(reduction="sum", need_grads=[True, True, True],
+                                                         backend="reference"))  # ce_weight, then row_weights
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -241,10 +242,11 @@ def test_preference_is_read_when_the_compiled_op_runs(isolated_table):
 
     @ld.register_backend("ce_loss_and_grad", backend="spy", priority=200, capability=ld.Capability(devices=("cpu",)))
     def spy(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-            lse_square_scale=0.0):
+            lse_square_scale=0.0, ce_weight=None, row_stats=None):
         calls.append(logits.shape)
         return ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
-                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale)
+                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
+                                ce_weight=ce_weight, row_stats=row_stats)
 
     fn = torch.compile(lambda *a: dispatch.op("flce")(*a), fullgraph=True)
     args = loss_inputs("flce")

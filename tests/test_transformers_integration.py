@@ -104,6 +104,24 @@ def test_without_labels_or_with_return_logits_the_forward_and_generate_are_untou
     assert torch.equal(patched.generate(tokens[:, :5], **greedy), model.generate(tokens[:, :5], **greedy))
 
 
+@pytest.mark.parametrize("num_items", [None, 23], ids=["mean", "num_items_in_batch"])
+def test_return_token_accuracy_adds_liger_kernels_output_field(num_items):
+    """out.token_accuracy: the argmax accuracy of the unpatched logits over the positions with a target (a fraction
+    with num_items_in_batch too); the loss unchanged; a tuple output ends with it."""
+    model, patched = pair("Gemma3")
+    tokens, labels = tokens_and_labels()
+    extra = {} if num_items is None else dict(num_items_in_batch=torch.tensor(num_items))
+    want = model(tokens, labels=labels, **extra)
+    targets = labels[:, 1:]
+    hits = (want.logits[:, :-1].argmax(-1) == targets) & (targets != -100)
+    got = patched(tokens, labels=labels, return_token_accuracy=True, **extra)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.token_accuracy, hits.sum() / (targets != -100).sum())
+    assert not got.token_accuracy.requires_grad and got.logits is None
+    as_tuple = patched(tokens, labels=labels, return_token_accuracy=True, return_dict=False, **extra)
+    assert torch.equal(as_tuple[-1], got.token_accuracy)
+
+
 def test_lm_head_bias_logits_to_keep_shift_labels_and_tuples_follow_transformers():
     model, patched = pair("Llama")
     for m in (model, patched):  # a head with a bias, the same one in both
@@ -240,10 +258,11 @@ def spy_backend(isolated_table):
 
     @ld.register_backend("ce_loss_and_grad", backend="spy", priority=1000, capability=ld.Capability(devices=("cpu",)))
     def spy(logits, target, *, grad_scale=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-            lse_square_scale=0.0):
+            lse_square_scale=0.0, ce_weight=None, row_stats=None):
         calls.append(logits.shape)
         return ce_loss_and_grad(logits, target, grad_scale=grad_scale, ignore_index=ignore_index,
-                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale)
+                                label_smoothing=label_smoothing, softcap=softcap, lse_square_scale=lse_square_scale,
+                                ce_weight=ce_weight, row_stats=row_stats)
 
     return calls
 

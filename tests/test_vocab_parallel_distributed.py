@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import liger_dispatch as ld
 from liger_dispatch import dispatch, nn as ldnn
 from liger_dispatch.errors import InputError
 
@@ -101,6 +102,11 @@ def compare(op, backend, group, tensors, sliced, grads, sizes=SIZES, call=None, 
     run = call or (lambda **kw: dispatch.op(op, backend=backend)(**kw))
     got = run(**mine, process_group=group, **options)
     want = dispatch.op(op, backend=backend)(**whole, **options)
+    if isinstance(want, ld.CrossEntropyOutput):  # the statistics beside the loss, equal on every rank too
+        for name in ("z_loss", "token_accuracy"):
+            assert_rel_close(f"{op} {name}", getattr(got, name), getattr(want, name), TOL)
+            same_on_every_rank(f"{op} {name}", getattr(got, name), group)
+        got, want = got.loss, want.loss
     upstream = torch.randn(want.shape) if want.dim() else torch.tensor(0.7)
     (got * upstream).sum().backward()
     (want * upstream).sum().backward()
@@ -124,6 +130,16 @@ def flce_inputs(n=N, bias=False, ignored=(1,)):
 def flce_case(group, backend, options):
     compare("flce", backend, group, flce_inputs(bias=options == "everything"), {"weight": 0, "bias": 0},
             ("input", "weight", "bias") if options == "everything" else ("input", "weight"), **FLCE_CASES[options])
+
+
+def flce_class_weights(group, backend, reduction, sizes=SIZES):
+    """ce_weight (every rank holds the whole vocabulary's), label smoothing and the z-loss, with the z-loss and the
+    token accuracy returned: the single-process numbers, equal on every rank."""
+    t = flce_inputs()
+    t["target"][4] = (t["input"] @ t["weight"].T).argmax(-1)[4]  # a row whose target is its max
+    t["ce_weight"] = torch.rand(V) * 2 + 0.2
+    compare("flce", backend, group, t, {"weight": 0}, ("input", "weight"), sizes=sizes, reduction=reduction,
+            label_smoothing=0.1, lse_square_scale=0.01, return_z_loss=True, return_token_accuracy=True)
 
 
 def flce_3d_chunked(group, backend):
@@ -315,8 +331,9 @@ def dtensor_ops(group, backend):
             assert_rel_close(f"{op} grad of {k}", grad.to_local(), expected, TOL)
 
     t = flce_inputs(bias=True)
+    t["ce_weight"] = torch.rand(V) + 0.5  # the whole vocabulary's, a plain tensor beside the sharded weight
     check("flce", t, dict(input=replicated(t["input"], True), weight=sharded(t["weight"], 0, True),
-                          target=t["target"], bias=sharded(t["bias"], 0, True)),
+                          target=t["target"], bias=sharded(t["bias"], 0, True), ce_weight=t["ce_weight"]),
           {"input": None, "weight": 0, "bias": 0}, label_smoothing=0.1)
     t = flce_inputs(bias=True)
     check("fused_linear_logprobs", t, dict(input=replicated(t["input"], True), weight=sharded(t["weight"], 0, True),
@@ -446,6 +463,9 @@ def cases(device="cpu", tested=TESTED):
 
         for options in FLCE_CASES:
             add(f"flce-{options}", flce_case, options=options)
+        for reduction in ("mean", "none"):
+            add(f"flce-class-weights-{reduction}", flce_class_weights, reduction=reduction)
+        add("flce-class-weights-empty-slice", flce_class_weights, reduction="sum", sizes=(0, V))
         add("flce-3d-chunked", flce_3d_chunked)
         add("flce-empty-slice", flce_empty_slice)
         add("flce-all-ignored", flce_all_ignored)

@@ -19,9 +19,9 @@ from liger_dispatch import dispatch
 from liger_dispatch.compose import vocab_parallel
 from liger_dispatch.registry import cross_entropy, kl_div
 from liger_dispatch.errors import InputError
-from liger_dispatch.backends.reference.formulas import ce_rows, jsd_rows, kl_div_rows
+from liger_dispatch.backends.reference.formulas import ce_row_stats, ce_rows, jsd_rows, kl_div_rows
 
-from kernel_checks import DEVICE, IGNORE, check, grad_scale, inputs, reference
+from kernel_checks import DEVICE, IGNORE, assert_rel_close, check, grad_scale, inputs, reference
 from vp_checks import check_empty_slice
 
 ON_GPU = DEVICE == "cuda"
@@ -65,17 +65,21 @@ def columns(t, sizes):
     return [(start, t[:, start:start + size]) for start, size in zip(starts, sizes)]
 
 
-def run_ce(backend, x, target, sizes, scale, **options):
-    """ce over the slices of x: the loss rows; x is overwritten with the gradient."""
+def run_ce(backend, x, target, sizes, scale, ce_weight=None, row_stats=None, **options):
+    """ce over the slices of x: the loss rows (and row_stats, when given, written); x is overwritten with the
+    gradient."""
     parts = columns(x, sizes)
     stats = vocab_parallel.combine(torch.stack([
         dispatch.op("ce_vp_stats", backend=backend)(part, target, vocab_start=start, ignore_index=IGNORE,
-                                                    softcap=options.get("softcap"))
-        for start, part in parts]), lse_columns=1)
+                                                    softcap=options.get("softcap"), ce_weight=ce_weight)
+        for start, part in parts]), lse_columns=1, max_columns=1)
     for start, part in parts:
-        dispatch.op("ce_vp_grad", backend=backend)(part, target, stats[:, 0], vocab_start=start, vocab_size=x.shape[1],
-                                                  grad_scale=scale, ignore_index=IGNORE, **options)
-    return cross_entropy.loss_rows(stats, target, vocab_size=x.shape[1], ignore_index=IGNORE,
+        dispatch.op("ce_vp_grad", backend=backend)(part, target, stats, vocab_start=start, vocab_size=x.shape[1],
+                                                  grad_scale=scale, ignore_index=IGNORE, ce_weight=ce_weight,
+                                                  **options)
+    if row_stats is not None:
+        cross_entropy.write_row_stats(row_stats, stats, target != IGNORE)
+    return cross_entropy.loss_rows(stats, target, ce_weight, vocab_size=x.shape[1], ignore_index=IGNORE,
                                   label_smoothing=options.get("label_smoothing", 0.0),
                                   lse_square_scale=options.get("lse_square_scale", 0.0))
 
@@ -119,6 +123,8 @@ CE_OPTIONS = {
     "smoothing": dict(label_smoothing=0.1),
     "softcap-zloss": dict(softcap=3.0, lse_square_scale=1e-2),
     "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3),
+    "class-weights": dict(label_smoothing=0.2, lse_square_scale=1e-3, weighted=True),
+    "class-weights-softcap": dict(softcap=2.0, weighted=True),
 }
 
 
@@ -126,11 +132,19 @@ CE_OPTIONS = {
 @pytest.mark.parametrize("options", list(CE_OPTIONS))
 @pytest.mark.parametrize("backend", backends("ce_vp_stats"))
 def test_ce(backend, options, slices):
-    opts, scale = CE_OPTIONS[options], grad_scale("per-row", C)
+    """The loss rows and gradient, and the rows' (lse, target is the max) as the composition writes them."""
+    opts, scale = dict(CE_OPTIONS[options]), grad_scale("per-row", C)
+    if opts.pop("weighted", False):
+        opts["ce_weight"] = torch.rand(V, device=DEVICE) * 2 + 0.2
     x, target = logits(), labels(ignored=(1,))
     target[0], target[2] = 0, V - 1  # targets in the first and in the last slice
+    target[4] = x[4].argmax()  # a row whose target is its max
+    expected_stats = ce_row_stats(x, target, ignore_index=IGNORE, softcap=opts.get("softcap"))
     expected = reference(lambda z: ce_rows(z, target, ignore_index=IGNORE, **opts), x, scale)
-    check(run_ce(backend, x, target, SLICES[slices], scale, **opts), x, *expected)
+    row_stats = torch.empty(C, 2, device=DEVICE)
+    check(run_ce(backend, x, target, SLICES[slices], scale, row_stats=row_stats, **opts), x, *expected)
+    assert torch.equal(row_stats[:, 1], expected_stats[:, 1]) and row_stats[4, 1] == 1
+    assert_rel_close("lse", row_stats[:, 0], expected_stats[:, 0], 1e-6)
 
 
 @pytest.mark.parametrize("slices", list(SLICES))
@@ -215,13 +229,17 @@ def test_opcheck(backend):
     on a slice [5, 5 + 24) of a vocabulary of V + 10."""
     x, target, scale = logits(vocab=24), labels(vocab=V), grad_scale("per-row", C)
     teacher, probs, lab = logits(vocab=24), probabilities()[:, :24].contiguous(), labels(vocab=V, ignored=(2,))
-    stats = vocab_parallel.combine(torch.ops.liger_dispatch.ce_vp_stats(x, target, vocab_start=5)[None], 1)
+    weights = torch.rand(V + 10, device=DEVICE) + 0.5
+    stats = vocab_parallel.combine(torch.ops.liger_dispatch.ce_vp_stats(x, target, vocab_start=5)[None], 1, 1)
     jsd_lse = vocab_parallel.combine(torch.ops.liger_dispatch.jsd_vp_stats(x, teacher, lab)[None], 2)
     kl = vocab_parallel.combine(torch.ops.liger_dispatch.kl_div_vp_stats(x, probs, lab)[None], 1)
     cases = [
         ("ce_vp_stats", (x, target), dict(vocab_start=5, softcap=3.0)),
-        ("ce_vp_grad", (x.clone(), target, stats[:, 0].contiguous()),
+        ("ce_vp_stats", (x, target), dict(vocab_start=5, ce_weight=weights)),
+        ("ce_vp_grad", (x.clone(), target, stats),
          dict(vocab_start=5, vocab_size=V + 10, grad_scale=scale, label_smoothing=0.1)),
+        ("ce_vp_grad", (x.clone(), target, stats),
+         dict(vocab_start=5, vocab_size=V + 10, grad_scale=scale, label_smoothing=0.1, ce_weight=weights)),
         ("jsd_vp_stats", (x, teacher, lab), dict(temperature=2.0)),
         ("jsd_vp_sums", (x, teacher, jsd_lse, lab), dict(beta=0.3)),
         ("jsd_vp_grad", (x.clone(), teacher, jsd_lse, torch.rand(C, 2, device=DEVICE), lab), dict(beta=0.3, grad_scale=scale)),
@@ -237,8 +255,11 @@ def test_opcheck(backend):
 def test_bad_inputs_name_the_argument():
     x, target, lse = logits(vocab=24), labels(), torch.zeros(C, device=DEVICE)
     cases = [
-        ("ce_vp_grad", (x, target, torch.zeros(C + 1, device=DEVICE)), {}, "lse must be float32 of shape"),
-        ("ce_vp_grad", (x, target, lse), dict(vocab_start=5, vocab_size=20), "slice ends at column 29"),
+        ("ce_vp_grad", (x, target, torch.zeros(C + 1, 5, device=DEVICE)), {}, "stats must be float32 of shape"),
+        ("ce_vp_grad", (x, target, torch.zeros(C, 5, device=DEVICE)), dict(vocab_start=5, vocab_size=20),
+         "slice ends at column 29"),
+        ("ce_vp_stats", (x, target), dict(vocab_start=5, ce_weight=torch.ones(28, device=DEVICE)),
+         "ce_weight holds 28 class weights but the slice ends at class 29"),
         ("ce_vp_stats", (x, target), dict(vocab_start=-1), "vocab_start must be >= 0"),
         ("jsd_vp_stats", (x, logits(vocab=23)), {}, "teacher_logits has shape"),
         ("jsd_vp_grad", (x, x, torch.zeros(C, 2, device=DEVICE), lse), {}, "sums must be float32 of shape"),

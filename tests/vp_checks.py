@@ -16,7 +16,8 @@ def check_empty_slice(op, device):
     pair = torch.zeros(C, 2, device=device)
     inf = float("-inf")
     want = {
-        "ce": ([[inf, 0, 0], [0, 0, 0], [inf, 0, 0]], op("ce_vp_stats")(empty, labels, vocab_start=5)),
+        "ce": ([[inf, inf, 0, 0, 0], [0, 0, 0, 0, 0], [inf, inf, 0, 0, 0]],
+               op("ce_vp_stats")(empty, labels, vocab_start=5)),
         "jsd": ([[inf, inf], [0, 0], [inf, inf]], op("jsd_vp_stats")(empty, empty, labels)),
         "jsd unlabelled": ([[inf, inf]] * C, op("jsd_vp_stats")(empty, empty)),
         "kl": ([[inf, 0, 0, 0], [0, 0, 0, 0], [inf, 0, 0, 0]], op("kl_div_vp_stats")(empty, empty, labels)),
@@ -25,6 +26,6 @@ def check_empty_slice(op, device):
     for name, (expected, got) in want.items():
         assert torch.equal(got.cpu(), torch.tensor(expected)), (name, got)
     rows = torch.zeros(C, device=device)
-    op("ce_vp_grad")(empty, labels, rows, vocab_size=8)
+    op("ce_vp_grad")(empty, labels, torch.zeros(C, 5, device=device), vocab_size=8)
     op("jsd_vp_grad")(empty, empty, pair, pair, labels)
     op("kl_div_vp_grad")(empty, empty, rows, rows, labels)

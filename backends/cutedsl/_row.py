@@ -213,6 +213,22 @@ def block_sum(vals: tuple, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
     )
 
 
+@cute.jit
+def block_max(value: Float32, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
+    """CTA-wide max of a per-thread fp32 value; every thread gets it. Uses one slot."""
+    warps = const_expr(cute.size(buf, mode=[0]))
+    partial = cute.arch.warp_reduction(value, cute.arch.fmax)
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        buf[warp, slot] = partial
+    cute.arch.barrier()
+    return cute.arch.warp_reduction(buf[lane % warps, slot], cute.arch.fmax, threads_in_group=warps)
+
+
+def tile_max(x: cute.TensorSSA):
+    return x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0)
+
+
 def valid_row(mLabels, row, ignore_index):
     """Whether the row counts: its label is not ignore_index; always without labels (mLabels None)."""
     if const_expr(mLabels is None):

@@ -80,6 +80,13 @@ class Syms:
         """[C], contiguous."""
         return cute.runtime.make_fake_tensor(dtype, (self.rows,), stride=(1,), assumed_align=dtype.width // 8)
 
+    def row_vector(self, dtype, vec):
+        """[1, V]: one row of the matrix's columns (a vector read tile by tile with it), vec-element aligned."""
+        return cute.runtime.make_fake_tensor(
+            dtype, (1, self.cols), stride=(cute.sym_int64(divisibility=vec), 1),
+            assumed_align=max(vec * dtype.width // 8, 1),
+        )
+
     @staticmethod
     def flat(dtype=cutlass.Float32):
         """[S], contiguous, S free (a per-row scale of any stride is passed as a flat view, see scale_view)."""

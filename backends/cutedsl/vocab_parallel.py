@@ -2,7 +2,7 @@
 slice, and the gradient pass that takes the statistics combined over ranks. One CTA per row, as ce.py / jsd.py /
 kl_div.py, each kernel one of their row passes:
     ce:     stats  = CrossEntropyKernel.softmax_state (+ the target's logit where this slice owns it)
-            grad   = CrossEntropyKernel.write_grad under the global lse, the target as a local column
+            grad   = CrossEntropyKernel.write_grad under the global statistics, the target as a local column
     jsd:    stats  = JSDKernel.softmax_states;  sums = JSDKernel.divergence_sums under the global lse pair
             grad   = JSDKernel.write_grad with the global S
     kl_div: stats  = KLDivKernel.statistics;    grad = KLDivKernel.write_grad with the global lse and sum q
@@ -20,7 +20,7 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._vp_rows import row_stats
 from . import _row, ce, jsd, kl_div
-from ._row import FLT_MIN, LN2, LOG2E, RowTiles, block_sum, zero_row
+from ._row import FLT_MIN, LN2, LOG2E, RowTiles, block_max, block_sum, zero_row
 from ._support import (CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, beta_case
@@ -44,73 +44,91 @@ def _launch(kernel, mX, *args, stream):
 
 
 class CEStatsKernel(ce.CrossEntropyKernel):
-    """(lse, z_target if owned here else 0, sum z) per row."""
+    """(lse, max z, z_target if owned here else 0, sum w z, sum w) per row; mWeightRow [1, Vl]: the slice's
+    class weights, or None (w = 1)."""
 
-    def __init__(self, vec, launch, has_softcap):
-        super().__init__(vec, launch, has_scale=False, has_softcap=has_softcap, has_smoothing=True)
+    def __init__(self, vec, launch, has_softcap, has_weight):
+        super().__init__(vec, launch, has_scale=False, has_softcap=has_softcap, has_smoothing=True,
+                         has_weight=has_weight, has_stats=True)
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mStats: cute.Tensor, vocab_start: Int64,
-                 ignore_index: Int64, softcap: Float32, stream):
-        _launch(self, mX, mTarget, mStats, vocab_start, ignore_index, softcap, stream=stream)
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeightRow: cute.Tensor | None, mStats: cute.Tensor,
+                 vocab_start: Int64, ignore_index: Int64, softcap: Float32, stream):
+        _launch(self, mX, mTarget, mWeightRow, mStats, vocab_start, ignore_index, softcap, stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mStats: cute.Tensor, vocab_start: Int64,
-               ignore_index: Int64, softcap: Float32):
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeightRow: cute.Tensor | None, mStats: cute.Tensor,
+               vocab_start: Int64, ignore_index: Int64, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 3)
+        buf = _row.reduction_buffer(self.launch.warps, 5)
         tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
+        weights = self.weight_tiles(mWeightRow, tidx)
         n_full, tail = tiles.span()
         target = mTarget[row]
         lse = Float32(0.0)
+        z_max = Float32(0.0)
         z_y = Float32(0.0)
         z_sum = Float32(0.0)
+        w_sum = Float32(0.0)
         if target != ignore_index:
             local = target - vocab_start
             if local >= 0 and local < mX.shape[1]:
                 z_y = self.logits(Float32(mX[row, Int32(local)]), softcap)[0]
-            lse2, z_sum = self.softmax_state(tiles, n_full, tail, softcap, buf)
-            (z_sum,) = block_sum((z_sum,), buf, 2)
+            lse2, z_sum, w_sum, z_max = self.softmax_state(tiles, weights, n_full, tail, softcap, buf)
+            z_sum, w_sum = block_sum((z_sum, w_sum), buf, 2)
+            z_max = block_max(z_max, buf, 4)
+            if const_expr(not self.has_weight):
+                w_sum = Float32(mX.shape[1])
             lse = lse2 * LN2
         if tidx == 0:
-            mStats[row * 3] = lse
-            mStats[row * 3 + 1] = z_y
-            mStats[row * 3 + 2] = z_sum
+            for j, value in enumerate((lse, z_max, z_y, z_sum, w_sum)):
+                mStats[row * 5 + j] = value
 
 
 class CEGradKernel(ce.CrossEntropyKernel):
-    """grad_scale * ((1 + 2 s lse) softmax_j - (1 - eps)[j == y] - eps / V) * dz/dx under the global lse."""
+    """grad_scale * (((1 - eps) w_y + eps W / V + 2 s lse) softmax_j - (1 - eps) w_y [j == y] - eps w_j / V) * dz/dx
+    under the global statistics (mStats [C * 5], ce_vp_stats' columns); mWeights: the whole vocabulary's class
+    weights (w_y), mWeightRow [1, Vl] this slice's (w_j, when smoothing reads them), or None."""
 
-    def __init__(self, vec, launch, has_scale, has_softcap):
-        super().__init__(vec, launch, has_scale=has_scale, has_softcap=has_softcap, has_smoothing=False)
+    def __init__(self, vec, launch, has_scale, has_softcap, has_weight):
+        super().__init__(vec, launch, has_scale=has_scale, has_softcap=has_softcap, has_smoothing=False,
+                         has_weight=has_weight)
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mLse: cute.Tensor, lse_step: Int32,
-                 mScale: cute.Tensor | None, scale_step: Int32, vocab_start: Int64, ignore_index: Int64,
-                 smoothing: Float32, uniform: Float32, lse_square_scale: Float32, softcap: Float32, stream):
-        _launch(self, mX, mTarget, mLse, lse_step, mScale, scale_step, vocab_start, ignore_index, smoothing, uniform,
-                lse_square_scale, softcap, stream=stream)
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mStats: cute.Tensor, mScale: cute.Tensor | None,
+                 scale_step: Int32, mWeights: cute.Tensor | None, mWeightRow: cute.Tensor | None, vocab_start: Int64,
+                 ignore_index: Int64, smoothing: Float32, inv_vocab: Float32, lse_square_scale: Float32,
+                 softcap: Float32, stream):
+        _launch(self, mX, mTarget, mStats, mScale, scale_step, mWeights, mWeightRow, vocab_start, ignore_index,
+                smoothing, inv_vocab, lse_square_scale, softcap, stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mLse: cute.Tensor, lse_step: Int32,
-               mScale: cute.Tensor | None, scale_step: Int32, vocab_start: Int64, ignore_index: Int64,
-               smoothing: Float32, uniform: Float32, lse_square_scale: Float32, softcap: Float32):
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mStats: cute.Tensor, mScale: cute.Tensor | None,
+               scale_step: Int32, mWeights: cute.Tensor | None, mWeightRow: cute.Tensor | None, vocab_start: Int64,
+               ignore_index: Int64, smoothing: Float32, inv_vocab: Float32, lse_square_scale: Float32,
+               softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
+        weights = self.weight_tiles(mWeightRow, tidx)
         n_full, tail = tiles.span()
         target = mTarget[row]
         if target == ignore_index:
             zero_row(tiles, n_full, tail)
         else:
             y = Int32(target - vocab_start)  # a column of this slice, or none of them
-            lse = mLse[row * lse_step]
+            lse = mStats[row * 5]
+            weight_mean = Float32(1.0)
+            if const_expr(self.has_weight):
+                weight_mean = mStats[row * 5 + 4] * inv_vocab
             scale = Float32(1.0)
             if const_expr(self.has_scale):
                 scale = mScale[row * scale_step]
-            self.write_grad(tiles, n_full, tail, y, softcap, lse * LOG2E, scale * (1.0 + 2.0 * lse_square_scale * lse),
-                            scale * uniform, scale * (1.0 - smoothing))
+            p_coef, uniform, on_target = ce.coefficients(scale, smoothing, inv_vocab,
+                                                         self.target_weight(mWeights, target), weight_mean, lse,
+                                                         lse_square_scale)
+            self.write_grad(tiles, weights, n_full, tail, y, softcap, lse * LOG2E, p_coef, uniform, on_target)
 
 
 # ---------------------------------------------------------------- JSD
@@ -290,19 +308,21 @@ def _labels(syms, label_dtype):
 
 
 @cache
-def _ce_stats(dtype, target_dtype, vec, launch, has_softcap):
+def _ce_stats(dtype, target_dtype, vec, launch, has_softcap, has_weight):
     syms = Syms()
     return Launcher(compile_kernel(
-        CEStatsKernel(vec, launch, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
-        syms.per_row(CUTE_DTYPE[target_dtype]), syms.flat(), 0, -100, 1.0))
+        CEStatsKernel(vec, launch, has_softcap, has_weight), syms.matrix(CUTE_DTYPE[dtype], vec),
+        syms.per_row(CUTE_DTYPE[target_dtype]), syms.row_vector(Float32, vec) if has_weight else None, syms.flat(),
+        0, -100, 1.0))
 
 
 @cache
-def _ce_grad(dtype, target_dtype, vec, launch, has_scale, has_softcap):
+def _ce_grad(dtype, target_dtype, vec, launch, has_scale, has_softcap, has_weight, per_column):
     syms = Syms()
     return Launcher(compile_kernel(
-        CEGradKernel(vec, launch, has_scale, has_softcap), syms.matrix(CUTE_DTYPE[dtype], vec),
-        syms.per_row(CUTE_DTYPE[target_dtype]), syms.flat(), 1, syms.flat() if has_scale else None, 0, 0, -100,
+        CEGradKernel(vec, launch, has_scale, has_softcap, has_weight), syms.matrix(CUTE_DTYPE[dtype], vec),
+        syms.per_row(CUTE_DTYPE[target_dtype]), syms.flat(), syms.flat() if has_scale else None, 0,
+        syms.flat() if has_weight else None, syms.row_vector(Float32, vec) if per_column else None, 0, -100,
         0.0, 0.0, 0.0, 1.0))
 
 
@@ -370,31 +390,37 @@ def _label_dtype(labels):
 
 
 @register_backend("ce_vp_stats", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
-def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
-    """[C, 3] fp32 per row of this slice: (lse, z_target where this slice owns the target else 0, sum z)."""
-    stats, C, V = row_stats(logits, 3, target, ignore_index, lse_columns=(0,))
+def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None, ce_weight=None):
+    """[C, 5] fp32 per row of this slice: (lse, max z, z_target where this slice owns the target else 0, sum w z,
+    sum w)."""
+    stats, C, V = row_stats(logits, 5, target, ignore_index, lse_columns=(0, 1))
     if C and V:
         target = per_row(target)
-        run = _ce_stats(logits.dtype, target.dtype, pick_vec(V, logits), CE_LAUNCH.current, softcap is not None)
-        run(logits, target, stats.view(-1), vocab_start, ignore_index, 1.0 if softcap is None else float(softcap))
+        _, weight_row = ce.weight_views(ce_weight, vocab_start, V, True)
+        vec = pick_vec(V, logits, *(() if weight_row is None else (weight_row,)))
+        run = _ce_stats(logits.dtype, target.dtype, vec, CE_LAUNCH.current, softcap is not None,
+                        ce_weight is not None)
+        run(logits, target, weight_row, stats.view(-1), vocab_start, ignore_index,
+            1.0 if softcap is None else float(softcap))
     return stats
 
 
 @register_backend("ce_vp_grad", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)
-def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
-               label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
-    """Overwrites this slice's logits with grad_scale * dloss/dlogits under the global lse [C]."""
+def ce_vp_grad(logits, target, stats, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
+               label_smoothing=0.0, softcap=None, lse_square_scale=0.0, ce_weight=None):
+    """Overwrites this slice's logits with grad_scale * dloss/dlogits under the global statistics [C, 5]."""
     C, V = logits.shape
     if C == 0 or V == 0:
         return
     target = per_row(target)
     scale, step = scale_view(grad_scale)
-    lse, lse_step = scale_view(lse)
-    run = _ce_grad(logits.dtype, target.dtype, pick_vec(V, logits), CE_LAUNCH.current, scale is not None,
-                   softcap is not None)
-    smoothing = float(label_smoothing)
-    run(logits, target, lse, lse_step, scale, step, vocab_start, ignore_index, smoothing, smoothing / (vocab_size or V),
-        float(lse_square_scale), 1.0 if softcap is None else float(softcap))
+    weights, weight_row = ce.weight_views(ce_weight, vocab_start, V, label_smoothing != 0.0)
+    vec = pick_vec(V, logits, *(() if weight_row is None else (weight_row,)))
+    run = _ce_grad(logits.dtype, target.dtype, vec, CE_LAUNCH.current, scale is not None, softcap is not None,
+                   weights is not None, weight_row is not None)
+    run(logits, target, stats.contiguous().view(-1), scale, step, weights, weight_row, vocab_start, ignore_index,
+        float(label_smoothing), 1.0 / (vocab_size or V), float(lse_square_scale),
+        1.0 if softcap is None else float(softcap))
 
 
 @register_backend("jsd_vp_stats", backend="cutedsl", priority=VP_PRIORITY, capability=CAPABILITY)

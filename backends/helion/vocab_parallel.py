@@ -3,7 +3,7 @@ gradient pass that takes the statistics combined over ranks (the driver all-redu
 
 Each kernel streams a row once, one row a program as the row kernels of ce.py / jsd.py / kl_div.py, base-2 math
 inside (exp2 / log2), natural-log statistics outside:
-    ce:     stats (lse, z_target if this slice owns the target, sum z)  ->  grad
+    ce:     stats (lse, max z, z_target if this slice owns the target, sum w z, sum w)  ->  grad
     jsd:    stats (lse of s and of t)  ->  sums (loss, S) under the global lse  ->  grad
     kl_div: stats (lse, sum q, sum q log q, sum q s)  ->  grad
 Statistics passes load with an evict-last hint (the gradient pass reads the row again). Ignored rows are never
@@ -22,6 +22,7 @@ from ._support import (
     CAPABILITY, FLT_MIN, KEEP, LN2, LOG2E, PRIORITY, STREAM, Kernel, bucket, exp2, flat_rows, load_f32, log2,
     needs_int64, online_softmax_step, row_config, row_scale, valid_rows,
 )
+from .ce import coefficients, grad_block, smoothing_sums, target_weight
 from .kl_div import precise_exp, target_log
 
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
@@ -39,7 +40,8 @@ def _ce_stats(
     logits_flat: torch.Tensor,  # logits' storage as 1-D, for the target gather
     row_stride: int,
     target: torch.Tensor,  # [C] global class indices
-    stats: torch.Tensor,  # [C, 3] out: lse, z_target (0 unless owned here), sum z
+    weights: Optional[torch.Tensor],  # [vocab_size] the whole vocabulary's class weights, or None
+    stats: torch.Tensor,  # [C, 5] out: lse, max z, z_target (0 unless owned here), sum w z, sum w
     vocab_start: int,
     ignore_index: int,
     softcap: Optional[float],
@@ -59,28 +61,38 @@ def _ce_stats(
         m = hl.full([tile_c], float("-inf"), dtype=torch.float32)
         d = hl.zeros([tile_c, block_v], dtype=torch.float32)
         z_sum = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        w_sum = hl.zeros([tile_c, block_v], dtype=torch.float32)
+        z_max = hl.full([tile_c, block_v], float("-inf"), dtype=torch.float32)
         for tile_v in hl.tile(V, block_size=block_v):
             z = load_f32(logits, tile_c, tile_v, row_mask, KEEP)
             if softcap is not None:
                 z = softcap * torch.tanh(z / softcap)
-            m, alpha, e = online_softmax_step(m, z * LOG2E, tile_v.index[None, :] < V)
+            in_row = tile_v.index[None, :] < V
+            m, alpha, e = online_softmax_step(m, z * LOG2E, in_row)
             d = d * alpha + e
-            z_sum = z_sum + z  # lanes past V loaded 0 (and tanh(0) = 0)
+            z_sum, w_sum = smoothing_sums(z_sum, w_sum, z, weights, tile_v, vocab_start, V)  # lanes past V: z = 0
+            z_max = torch.maximum(z_max, torch.where(in_row, z, float("-inf")))
         lse = (m + log2(torch.sum(d, dim=1))) * LN2
         stats[tile_c, 0] = torch.where(valid, lse, 0.0)
-        stats[tile_c, 1] = torch.where(owned, z_y, 0.0)
-        stats[tile_c, 2] = torch.where(valid, torch.sum(z_sum, dim=1), 0.0)
+        stats[tile_c, 1] = torch.where(valid, torch.amax(z_max, dim=1), 0.0)
+        stats[tile_c, 2] = torch.where(owned, z_y, 0.0)
+        stats[tile_c, 3] = torch.where(valid, torch.sum(z_sum, dim=1), 0.0)
+        if weights is not None:
+            stats[tile_c, 4] = torch.where(valid, torch.sum(w_sum, dim=1), 0.0)
+        else:
+            stats[tile_c, 4] = torch.where(valid, hl.full([tile_c], 1.0, dtype=torch.float32) * V, 0.0)
 
 
 def _ce_grad(
     logits: torch.Tensor,  # [C, Vl] this rank's logits, overwritten by the gradient
     target: torch.Tensor,  # [C] global class indices
-    lse: torch.Tensor,  # [C] global log-sum-exp
+    stats: torch.Tensor,  # [C, 5] global statistics (ce_vp_stats' columns)
     scale: torch.Tensor,  # [C] grad_scale per row
+    weights: Optional[torch.Tensor],  # [vocab_size] the whole vocabulary's class weights, or None
     vocab_start: int,
     ignore_index: int,
     smoothing: float,
-    uniform: float,  # smoothing / global V
+    inv_vocab: float,  # 1 / global V
     lse_square_scale: float,
     softcap: Optional[float],
 ) -> None:
@@ -90,26 +102,18 @@ def _ce_grad(
     for tile_c in hl.tile(C, block_size=block_c):
         y = target[tile_c].to(torch.int32)
         valid = y != ignore_index
-        local = y - vocab_start
         row_mask = valid[:, None]
-        row_lse = lse[tile_c].to(torch.float32)
-        lse2 = row_lse * LOG2E
+        row_lse = stats[tile_c, 0].to(torch.float32)
+        weight_mean = hl.full([tile_c], 1.0, dtype=torch.float32)
+        if weights is not None:
+            weight_mean = stats[tile_c, 4].to(torch.float32) * inv_vocab
         g_scale = torch.where(valid, scale[tile_c], 0.0)
-        p_coef = g_scale * (1.0 + 2.0 * lse_square_scale * row_lse)
-        on_target = g_scale * (1.0 - smoothing)
-        off_target = g_scale * uniform
+        p_coef, uniform, on_target = coefficients(g_scale, smoothing, inv_vocab, target_weight(weights, tile_c, y, valid),
+                                                  weight_mean, row_lse, lse_square_scale)
         for tile_v in hl.tile(V, block_size=block_v):
             x = load_f32(logits, tile_c, tile_v, row_mask, STREAM)
-            if softcap is not None:
-                t = torch.tanh(x / softcap)
-                z = softcap * t
-            else:
-                z = x
-            p = exp2(z * LOG2E - lse2[:, None])
-            hit = tile_v.index[None, :] == local[:, None]
-            g = p_coef[:, None] * p - off_target[:, None] - torch.where(hit, on_target[:, None], 0.0)
-            if softcap is not None:
-                g = g * (1.0 - t * t)
+            g = grad_block(x, y - vocab_start, row_lse * LOG2E, p_coef, uniform, on_target, weights, tile_v,
+                           vocab_start, V, softcap)
             logits[tile_c, tile_v] = torch.where(row_mask, g, 0.0).to(logits.dtype)
 
 
@@ -352,26 +356,26 @@ def _launch(like: torch.Tensor, *tensors: torch.Tensor) -> dict:
 
 
 @register_backend("ce_vp_stats", backend="helion", priority=PRIORITY, capability=CAPABILITY)
-def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
-    """[C, 3] fp32 per row of this slice: (lse, z_target where this slice owns the target else 0, sum z)."""
-    stats, C, V = row_stats(logits, 3, target, ignore_index, lse_columns=(0,))
+def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None, ce_weight=None):
+    """[C, 5] fp32 per row of this slice: (lse, max z, z_target where this slice owns the target else 0, sum w z,
+    sum w)."""
+    stats, C, V = row_stats(logits, 5, target, ignore_index, lse_columns=(0, 1))
     if C and V:
-        CE_STATS(logits, flat_rows(logits), logits.stride(0), target, stats, int(vocab_start), int(ignore_index),
-                 None if softcap is None else float(softcap), **_launch(logits))
+        CE_STATS(logits, flat_rows(logits), logits.stride(0), target, ce_weight, stats, int(vocab_start),
+                 int(ignore_index), None if softcap is None else float(softcap), **_launch(logits))
     return stats
 
 
 @register_backend("ce_vp_grad", backend="helion", priority=PRIORITY, capability=CAPABILITY)
-def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
-               label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
-    """Overwrites this slice's logits with grad_scale * dloss/dlogits under the global lse [C]."""
+def ce_vp_grad(logits, target, stats, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
+               label_smoothing=0.0, softcap=None, lse_square_scale=0.0, ce_weight=None):
+    """Overwrites this slice's logits with grad_scale * dloss/dlogits under the global statistics [C, 5]."""
     C, V = logits.shape
     if C == 0 or V == 0:
         return
-    smoothing = float(label_smoothing)
-    CE_GRAD(logits, target, lse, row_scale(grad_scale, C, logits), int(vocab_start), int(ignore_index), smoothing,
-            smoothing / (vocab_size or V), float(lse_square_scale), None if softcap is None else float(softcap),
-            **_launch(logits))
+    CE_GRAD(logits, target, stats, row_scale(grad_scale, C, logits), ce_weight, int(vocab_start), int(ignore_index),
+            float(label_smoothing), 1.0 / (vocab_size or V), float(lse_square_scale),
+            None if softcap is None else float(softcap), **_launch(logits))
 
 
 @register_backend("jsd_vp_stats", backend="helion", priority=PRIORITY, capability=CAPABILITY)

@@ -10,6 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from liger_dispatch.registry.cross_entropy import CrossEntropyOutput
+
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32, or float64 when any input is float64."""
@@ -28,20 +30,39 @@ def valid_rows(labels, ignore_index, n_rows, device):
 # ---------------------------------------------------------------- per-row losses from logits
 
 
-def ce_rows(logits, target, *, ignore_index=-100, label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
-    """Cross-entropy per row of logits [C, V]: (1-eps)(lse - z_y) + eps(lse - mean z) + scale * lse^2."""
+def _ce_terms(logits, target, ignore_index, softcap):
+    """(z softcapped, rows not ignored, lse, z_target) of logits [C, V] in the compute dtype."""
     z = logits.to(compute_dtype(logits))
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     valid = target != ignore_index
-    lse = torch.logsumexp(z, dim=-1)
     z_target = z.gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+    return z, valid, torch.logsumexp(z, dim=-1), z_target
+
+
+def ce_rows(logits, target, *, ignore_index=-100, label_smoothing=0.0, softcap=None, lse_square_scale=0.0,
+            ce_weight=None):
+    """Cross-entropy per row of logits [C, V], with class weights w = ce_weight (1 without):
+    (1-eps) w_y (lse - z_y) + eps / V sum_j w_j (lse - z_j) + scale * lse^2 (unweighted: eps (lse - mean z))."""
+    z, valid, lse, z_target = _ce_terms(logits, target, ignore_index, softcap)
     loss = (1.0 - label_smoothing) * (lse - z_target)
+    if ce_weight is not None:
+        w = ce_weight.to(z.dtype)
+        loss = loss * w[torch.where(valid, target, 0)]
     if label_smoothing != 0.0:
-        loss = loss + label_smoothing * (lse - z.mean(dim=-1))
+        smooth = lse - z.mean(dim=-1) if ce_weight is None else ((lse.unsqueeze(-1) - z) * w).mean(dim=-1)
+        loss = loss + label_smoothing * smooth
     if lse_square_scale != 0.0:
         loss = loss + lse_square_scale * lse.square()
     return torch.where(valid, loss, 0.0)
+
+
+def ce_row_stats(logits, target, *, ignore_index=-100, softcap=None):
+    """[C, 2] per row of logits [C, V]: (lse, 1 where the target's logit is the row's max else 0), 0 where ignored.
+    A target tied with another class for the max counts as predicted (argmax would take the first of them)."""
+    z, valid, lse, z_target = _ce_terms(logits, target, ignore_index, softcap)
+    correct = valid & (z_target >= z.amax(dim=-1))
+    return torch.stack([torch.where(valid, lse, 0.0), correct.to(lse.dtype)], dim=-1)
 
 
 def jsd_rows(student_logits, teacher_logits, labels, *, beta, ignore_index=-100, temperature=1.0):
@@ -188,19 +209,44 @@ def _mean_over_valid(total, valid, per_row_count=1):
     return total / (valid.sum() * per_row_count).clamp_min(1)
 
 
-def flce(input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-         softcap=None, lse_square_scale=0.0):
-    logits = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
-    flat_target = target.reshape(-1)
-    rows = ce_rows(logits, flat_target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                   softcap=softcap, lse_square_scale=lse_square_scale)
+def _over(total, denominator):
+    """total / denominator, 0 where the denominator is 0 (a mean over nothing), gradients included."""
+    nonzero = denominator != 0
+    return torch.where(nonzero, total / torch.where(nonzero, denominator, 1), 0.0)
+
+
+def _reduced(rows, reduction, denominator):
     if reduction == "none":
-        return rows.reshape(target.shape)
+        return rows
     if reduction == "sum":
         return rows.sum()
     if reduction == "mean":
-        return _mean_over_valid(rows.sum(), flat_target != ignore_index)
+        return _over(rows.sum(), denominator)
     raise ValueError(f"flce: unknown reduction {reduction!r}")
+
+
+def flce(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
+         label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False, return_token_accuracy=False):
+    """The loss as torch's F.cross_entropy(weight=ce_weight, label_smoothing=) computes it (a mean divides by the
+    sum of the target weights), plus the z-loss lse_square_scale lse^2, which no class weight scales (a mean
+    divides it by the number of rows not ignored); with return_z_loss / return_token_accuracy a
+    CrossEntropyOutput that also holds the z-loss and the fraction of rows whose target's logit is the max."""
+    logits = F.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+    flat = target.reshape(-1)
+    ce = ce_rows(logits, flat, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+                 ce_weight=ce_weight)
+    lse, correct = ce_row_stats(logits, flat, ignore_index=ignore_index, softcap=softcap).unbind(-1)
+    valid = flat != ignore_index
+    count = valid.sum().to(ce.dtype)
+    weights = torch.ones_like(ce) if ce_weight is None else ce_weight.to(ce.dtype)[torch.where(valid, flat, 0)]
+    z_loss = _reduced(lse_square_scale * lse.square(), reduction, count)
+    loss = _reduced(ce, reduction, torch.where(valid, weights, 0.0).sum()) + z_loss
+    accuracy = _reduced(correct.detach(), "none" if reduction == "none" else "mean", count)
+    if reduction == "none":
+        loss, z_loss, accuracy = (t.reshape(target.shape) for t in (loss, z_loss, accuracy))
+    if not (return_z_loss or return_token_accuracy):
+        return loss
+    return CrossEntropyOutput(loss, z_loss if return_z_loss else None, accuracy if return_token_accuracy else None)
 
 
 fused_linear_cross_entropy = flce

@@ -7,6 +7,7 @@ gradient depends on the global statistics, which autograd of a slice cannot see.
 import torch
 
 from liger_dispatch import register_backend
+from liger_dispatch.registry.cross_entropy import LSE, WEIGHT_SUM
 
 from .formulas import compute_dtype, kl_sum, log_mixture, target_terms, valid_rows
 from ._support import CAPABILITY, PRIORITY
@@ -53,25 +54,42 @@ def _target_in_slice(target, valid, vocab_start, width):
     return torch.where(inside, local, 0), inside
 
 
+def _slice_weights(ce_weight, vocab_start, width, like):
+    """The class weights of this slice's columns in the compute dtype (1 without ce_weight)."""
+    if ce_weight is None:
+        return torch.ones(width, dtype=like.dtype, device=like.device)
+    return ce_weight[vocab_start:vocab_start + width].to(like.dtype)
+
+
 @_register("ce_vp_stats")
-def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
+def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None, ce_weight=None):
     z, _ = _softcapped(logits, softcap)
     valid = target != ignore_index
     column, inside = _target_in_slice(target, valid, vocab_start, z.shape[1])
     z_target = z.gather(1, column.unsqueeze(1)).squeeze(1) if z.shape[1] else z.new_zeros(z.shape[0])
-    return _rows(valid, [torch.logsumexp(z, dim=1), torch.where(inside, z_target, 0.0), z.sum(dim=1)])
+    w = _slice_weights(ce_weight, vocab_start, z.shape[1], z)
+    z_max = z.amax(dim=1) if z.shape[1] else torch.full_like(z_target, float("-inf"))
+    return _rows(valid, [torch.logsumexp(z, dim=1), z_max, torch.where(inside, z_target, 0.0), z @ w,
+                         w.sum().expand_as(z_target)])
 
 
 @_register("ce_vp_grad")
-def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
-               label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
+def ce_vp_grad(logits, target, stats, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
+               label_smoothing=0.0, softcap=None, lse_square_scale=0.0, ce_weight=None):
     z, t = _softcapped(logits, softcap)
-    lse = lse.to(z.dtype).unsqueeze(1)
+    stats = stats.to(z.dtype)
+    lse = stats[:, LSE:LSE + 1]
+    vocab = vocab_size or z.shape[1]
     valid = target != ignore_index
-    grad = (1.0 + 2.0 * lse_square_scale * lse) * torch.exp(z - lse) - label_smoothing / (vocab_size or z.shape[1])
+    eps = label_smoothing
+    target_weight = torch.ones_like(lse) if ce_weight is None else \
+        ce_weight.to(z.dtype)[torch.where(valid, target, 0)].unsqueeze(1)
+    p_coef = (1.0 - eps) * target_weight + eps * stats[:, WEIGHT_SUM:WEIGHT_SUM + 1] / vocab + 2.0 * lse_square_scale * lse
+    grad = p_coef * torch.exp(z - lse) - eps / vocab * _slice_weights(ce_weight, vocab_start, z.shape[1], z)
     column, inside = _target_in_slice(target, valid, vocab_start, z.shape[1])
     if z.shape[1]:
-        grad.scatter_add_(1, column.unsqueeze(1), torch.where(inside, label_smoothing - 1.0, 0.0).to(z.dtype).unsqueeze(1))
+        on_target = torch.where(inside.unsqueeze(1), -(1.0 - eps) * target_weight, 0.0)
+        grad.scatter_add_(1, column.unsqueeze(1), on_target)
     if t is not None:
         grad = grad * (1.0 - t * t)
     _write(logits, valid, grad, grad_scale)

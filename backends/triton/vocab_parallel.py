@@ -17,7 +17,7 @@ from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
     load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, valid_row, zero_cols,
 )
-from .ce import ce_row_grad, ce_row_stats
+from .ce import ce_coefficients, ce_row_grad, ce_row_stats, load_weight
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, jsd_row_grad, jsd_row_stats, jsd_row_sums
 from .kl_div import _kl_terms
 
@@ -38,43 +38,53 @@ def _launch(n_cols, *tensors):
 @triton.jit
 def _zero_stats(OUT, K: tl.constexpr):
     """An ignored row's statistics: K zeros at OUT."""
-    cols = tl.arange(0, 4)
-    tl.store(OUT + cols, tl.zeros([4], tl.float32), mask=cols < K)
+    cols = tl.arange(0, 8)
+    tl.store(OUT + cols, tl.zeros([8], tl.float32), mask=cols < K)
 
 
 @triton.jit
 def _ce_stats_kernel(
     X, x_stride,  # [C, V] logits of this slice
     Y, y_stride,  # [C] global class indices
-    OUT,  # [C, 3] fp32: lse, z_target (0 when the target is not in this slice), sum z
+    W,  # [vocab_size] the whole vocabulary's class weights; unread without HAS_WEIGHT
+    OUT,  # [C, 5] fp32: lse, max z, z_target (0 when the target is not in this slice), sum w z, sum w
     vocab_start, ignore_index, softcap, inv_softcap,
-    V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X += row * x_stride
-    OUT += row * 3
+    OUT += row * 5
     y = tl.load(Y + row * y_stride)
     if y == ignore_index:
-        _zero_stats(OUT, 3)
+        _zero_stats(OUT, 5)
         return
-    lse2, z_sum = ce_row_stats(X, tl.arange(0, BLOCK), softcap, inv_softcap, V, HAS_SOFTCAP, True, BLOCK, NUM_STAGES)
+    lse2, z_sum, w_sum, z_max = ce_row_stats(X, W + vocab_start, tl.arange(0, BLOCK), softcap, inv_softcap, V, HAS_SOFTCAP, True,
+                                             HAS_WEIGHT, True, BLOCK, NUM_STAGES)
     column = y - vocab_start
     z_y = tl.load(X + column, mask=(column >= 0) & (column < V), other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         z_y = softcap * tanh(z_y * inv_softcap)
     tl.store(OUT, lse2 * LN2)
-    tl.store(OUT + 1, z_y)
-    tl.store(OUT + 2, tl.sum(z_sum, 0))
+    tl.store(OUT + 1, tl.max(z_max, 0))
+    tl.store(OUT + 2, z_y)
+    tl.store(OUT + 3, tl.sum(z_sum, 0))
+    if HAS_WEIGHT:
+        tl.store(OUT + 4, tl.sum(w_sum, 0))
+    else:
+        tl.store(OUT + 4, V * 1.0)
 
 
 @triton.jit
 def _ce_grad_kernel(
     X, x_stride,  # [C, V] logits of this slice, overwritten by their gradient
     Y, y_stride,  # [C] global class indices
-    LSE, lse_stride,  # [C] global lse
+    STATS, stats_stride,  # [C, 5] global statistics (ce_vp_stats' columns)
     SCALE, scale_stride,  # [C] or 0-d grad_scale
+    W,  # [vocab_size] the whole vocabulary's class weights; unread without HAS_WEIGHT
     vocab_start, ignore_index, smoothing, inv_vocab, lse_square_scale, softcap, inv_softcap,
-    V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    V: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     X += row * x_stride
@@ -82,39 +92,44 @@ def _ce_grad_kernel(
     if y == ignore_index:
         zero_cols(X, V, BLOCK)
         return
-    lse = tl.load(LSE + row * lse_stride)
+    STATS += row * stats_stride
+    lse = tl.load(STATS)
+    weight_mean = 1.0
+    if HAS_WEIGHT:
+        weight_mean = tl.load(STATS + 4) * inv_vocab
     scale = load_scale(SCALE, scale_stride, row, HAS_SCALE)
-    # dloss/dz_j = (1 + 2 s lse) softmax_j - (1 - eps)[vocab_start + j == y] - eps / V_global
-    ce_row_grad(X, tl.arange(0, BLOCK), (y - vocab_start).to(tl.int32), lse * LOG2E,
-                scale * (1.0 + 2.0 * lse_square_scale * lse), scale * smoothing * inv_vocab, scale * (1.0 - smoothing),
-                softcap, inv_softcap, V, HAS_SOFTCAP, BLOCK, NUM_STAGES)
+    p_coef, uniform, on_target = ce_coefficients(scale, smoothing, inv_vocab, load_weight(W, y, HAS_WEIGHT),
+                                                 weight_mean, lse, lse_square_scale)
+    ce_row_grad(X, W + vocab_start, tl.arange(0, BLOCK), (y - vocab_start).to(tl.int32), lse * LOG2E, p_coef, uniform,
+                on_target, softcap, inv_softcap, V, HAS_SOFTCAP, HAS_WEIGHT, BLOCK, NUM_STAGES)
 
 
 @_register("ce_vp_stats")
-def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None):
+def ce_vp_stats(logits, target, *, vocab_start=0, ignore_index=-100, softcap=None, ce_weight=None):
     C, V = logits.shape
-    out = torch.empty(C, 3, dtype=torch.float32, device=logits.device)
+    out = torch.empty(C, 5, dtype=torch.float32, device=logits.device)
     if C:
         cap = float(softcap or 1.0)
         _ce_stats_kernel[(C,)](
-            logits, logits.stride(0), target, target.stride(0), out, vocab_start, ignore_index, cap, 1.0 / cap,
-            V=V, HAS_SOFTCAP=softcap is not None, **_launch(V, logits),
+            logits, logits.stride(0), target, target.stride(0), out if ce_weight is None else ce_weight, out, vocab_start, ignore_index, cap,
+            1.0 / cap, V=V, HAS_SOFTCAP=softcap is not None, HAS_WEIGHT=ce_weight is not None, **_launch(V, logits),
         )
     return out
 
 
 @_register("ce_vp_grad")
-def ce_vp_grad(logits, target, lse, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
-               label_smoothing=0.0, softcap=None, lse_square_scale=0.0):
+def ce_vp_grad(logits, target, stats, *, vocab_start=0, vocab_size=0, grad_scale=None, ignore_index=-100,
+               label_smoothing=0.0, softcap=None, lse_square_scale=0.0, ce_weight=None):
     C, V = logits.shape
     if C == 0 or V == 0:
         return
-    scale, scale_stride, has_scale = scale_args(grad_scale, lse)
+    scale, scale_stride, has_scale = scale_args(grad_scale, stats)
     cap = float(softcap or 1.0)
     _ce_grad_kernel[(C,)](
-        logits, logits.stride(0), target, target.stride(0), lse, lse.stride(0), scale, scale_stride,
-        vocab_start, ignore_index, float(label_smoothing), 1.0 / (vocab_size or V), float(lse_square_scale),
-        cap, 1.0 / cap, V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, **_launch(V, logits),
+        logits, logits.stride(0), target, target.stride(0), stats, stats.stride(0), scale, scale_stride,
+        stats if ce_weight is None else ce_weight, vocab_start, ignore_index, float(label_smoothing),
+        1.0 / (vocab_size or V), float(lse_square_scale), cap, 1.0 / cap, V=V, HAS_SCALE=has_scale,
+        HAS_SOFTCAP=softcap is not None, HAS_WEIGHT=ce_weight is not None, **_launch(V, logits),
     )
 
 

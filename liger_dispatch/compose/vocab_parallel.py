@@ -140,9 +140,9 @@ class VocabShard:
         _all_gather(sizes, torch.tensor([size], dtype=torch.int64, device=device), group=group)
         return cls.from_sizes(group, sizes.tolist())
 
-    def combine(self, stats: torch.Tensor, lse_columns: int) -> torch.Tensor:
+    def combine(self, stats: torch.Tensor, lse_columns: int, max_columns: int = 0) -> torch.Tensor:
         """The global [C, k] statistics from this rank's [C, k]: all-gathered, then combined."""
-        return combine(self.gather(stats), lse_columns)
+        return combine(self.gather(stats), lse_columns, max_columns)
 
     def gather(self, stats: torch.Tensor) -> torch.Tensor:
         """Every rank's [C, k] statistics as [W, C, k], in rank order (one all-gather)."""
@@ -168,11 +168,14 @@ class VocabShard:
         return total
 
 
-def combine(gathered: torch.Tensor, lse_columns: int) -> torch.Tensor:
+def combine(gathered: torch.Tensor, lse_columns: int, max_columns: int = 0) -> torch.Tensor:
     """Global per-row statistics from every rank's [W, C, k]: a log-sum-exp over the ranks of the first
-    `lse_columns` columns, a sum of the others. The same arithmetic in the same order on every rank."""
+    `lse_columns` columns, a max of the next `max_columns`, a sum of the others. The same arithmetic in the same
+    order on every rank."""
     total = gathered.sum(0)
     total[:, :lse_columns] = torch.logsumexp(gathered[:, :, :lse_columns], dim=0)
+    maxima = slice(lse_columns, lse_columns + max_columns)
+    total[:, maxima] = gathered[:, :, maxima].amax(dim=0)
     return total
 
 

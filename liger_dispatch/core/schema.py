@@ -56,6 +56,7 @@ class OpSchema:
         self.positional = tuple(p.name for p in self.params if not p.keyword_only)
         self.defaults = {p.name: p.default for p in self.params if p.default is not _EMPTY}
         self.required = tuple(p.name for p in self.params if p.default is _EMPTY)
+        self.returns = len(parsed.returns)  # how many values the op returns
         self.signature = inspect.Signature([
             inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY if p.keyword_only
                               else inspect.Parameter.POSITIONAL_OR_KEYWORD, default=p.default)

@@ -57,6 +57,10 @@ class OpSpec:
         schema, e.g. which gradients to compute in the forward pass.
     autocast: the tensor parameters cast to the autocast dtype under torch.autocast, as for F.linear.
     fake: fake(a) -> the op's outputs as empty tensors of the right shapes and dtypes (torch.compile traces with it).
+        A fused-linear loss may have several outputs: the first is the loss, the others statistics of the same call
+        without a gradient (empty tensors where the call does not ask for them).
+    result: result(a, outputs) -> what a handle's call returns from the op's outputs (default: the outputs, a single
+        one as itself).
     saved: for a user-level op with a backward of its own (its implementation has a `backward` method), what the
         implementation returns after the op's outputs for that backward, as schema parameters ("Tensor mix, ...").
     vocab_parallel: for a user-level loss with a vocab-parallel path, its compose.vocab_parallel.VocabParallel.
@@ -75,6 +79,7 @@ class OpSpec:
     differentiable: tuple[str, ...] = ()
     impl_extra: str = ""
     fake: Optional[Callable[[Args], object]] = None
+    result: Optional[Callable[[Args, tuple], object]] = None
     autocast: tuple[str, ...] = ()
     saved: str = ""
     vocab_parallel: Optional[object] = None
@@ -305,7 +310,10 @@ def contract(spec: OpSpec) -> str:
         return takes + "; it returns what the schema returns (checked against the op's fake on each signature's first call)."
     if "need_grads" in spec.extra.names:
         grads = ", ".join(f"the gradient of {n}" for n in spec.differentiable)
-        return (takes + f"; it returns (the loss, {grads}): each gradient computed in the forward pass when need_grads "
+        outputs = spec.schema.returns
+        returned = ("the loss," if outputs == 1 else f"its {outputs} outputs, the loss first, a statistic the call "
+                    "does not ask for as an empty tensor;")
+        return (takes + f"; it returns ({returned} {grads}): each gradient computed in the forward pass when need_grads "
                 "asks for it, else None" + ("; with row_weights, the loss is sum_i row_weights_i * loss_i"
                                             if "row_weights" in spec.extra.names else "") + ".")
     return (takes + f"; it returns the schema's outputs followed by what its backward needs ({spec.saved}), and has "

@@ -11,8 +11,8 @@ Two ways in, one set of implementations:
 
 The torch.library schema of an op is its own schema plus, keyword-only, its implementations' extra parameters and
 `str? backend=None`. A fused-linear loss computes its gradients in the forward pass, so its op returns them after
-the loss (empty tensors for the ones not asked for by `need_grads`); an op with a backward of its own returns what
-its backward needs (OpSpec.saved) after its outputs.
+its outputs (the loss, then any statistics without a gradient; empty tensors for the gradients not asked for by
+`need_grads`); an op with a backward of its own returns what its backward needs (OpSpec.saved) after its outputs.
 """
 
 from __future__ import annotations
@@ -64,19 +64,23 @@ def once_differentiable(op: str) -> None:
 
 
 class _GradsInForward(torch.autograd.Function):
-    """loss, with the gradients its implementation computed in the forward pass scaled by grad_loss in the backward."""
+    """loss (and the op's other `outputs`, without a gradient), with the gradients its implementation computed in the
+    forward pass scaled by grad_loss in the backward."""
 
     @staticmethod
-    def forward(ctx, op, run, *tensors):
-        loss, *grads = run()
-        ctx.save_for_backward(*grads)
+    def forward(ctx, op, run, outputs, *tensors):
+        results = run()
+        ctx.save_for_backward(*results[outputs:])
         ctx.op = op
-        return loss
+        if outputs == 1:
+            return results[0]
+        ctx.mark_non_differentiable(*results[1:outputs])
+        return tuple(results[:outputs])
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_):
         once_differentiable(ctx.op)
-        return None, None, *_scaled(ctx, grad_loss)
+        return None, None, None, *_scaled(ctx, grad_loss)
 
 
 class _RowLosses(torch.autograd.Function):
@@ -85,10 +89,13 @@ class _RowLosses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, run, backward, *tensors):
         ctx.run_backward, ctx.op = backward, op
-        return run()
+        rows = run()
+        if isinstance(rows, tuple):  # the op's statistics after the losses
+            ctx.mark_non_differentiable(*rows[1:])
+        return rows
 
     @staticmethod
-    def backward(ctx, grad_rows):
+    def backward(ctx, grad_rows, *_):
         once_differentiable(ctx.op)
         return None, None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[3:])
 
@@ -181,8 +188,13 @@ def _expected(spec: OpSpec, args: tuple, kwargs: dict):
         return outputs
     need = wanted_grads(kwargs.get("need_grads", ()), len(spec.differentiable))
     inputs = [getattr(a, n) for n in spec.differentiable]
-    return (outputs, *(results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
-                       for w, t in zip(need, inputs)))
+    return (*_as_tuple(outputs), *(results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
+                                   for w, t in zip(need, inputs)))
+
+
+def _as_tuple(outputs) -> tuple:
+    """An op's fake outputs as a tuple (one output: itself alone)."""
+    return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
 def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
@@ -245,20 +257,29 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
         return _with_backward(spec, fn, a, any(need))
+    outputs = _returns(spec.schema_text)
+    own_outputs = _own_outputs(outputs)
     if not any(need):
-        return lambda a, args, kwargs: fn(*args, **kwargs)[0]
+        return lambda a, args, kwargs: own_outputs(fn(*args, **kwargs))
     tensors = operator.attrgetter(*spec.differentiable)  # a tuple: a user-level loss has several
     if _row_losses(a):
         def launch_rows(a, args, kwargs):
             def backward(grad_rows, needs):
                 summed = {**kwargs, "reduction": "sum"}
-                return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[1:]
+                return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[outputs:]
 
-            return _apply(_RowLosses, (spec.name, lambda: fn(*args, **kwargs)[0], backward), tensors(a))
+            return _apply(_RowLosses, (spec.name, lambda: own_outputs(fn(*args, **kwargs)), backward), tensors(a))
 
         return launch_rows
-    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need)),
-                                          tensors(a))
+    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need),
+                                                            outputs), tensors(a))
+
+
+def _own_outputs(count: int) -> Callable[[tuple], object]:
+    """From what an implementation returns, the op's own outputs: the first alone, or a tuple of `count`."""
+    if count == 1:
+        return operator.itemgetter(0)
+    return lambda results: tuple(results[:count])
 
 
 def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
@@ -351,25 +372,27 @@ def _define_kernel(spec: OpSpec) -> None:
 
 
 def _define_loss(spec: OpSpec) -> None:
-    """A fused-linear loss: (loss, one gradient per differentiable input, or an empty tensor when not needed)."""
+    """A fused-linear loss: (its outputs, one gradient per differentiable input, or an empty tensor when not
+    needed)."""
     count = len(spec.differentiable)
+    returned = _returns(spec.schema_text)
 
-    def outputs(a, need, loss, grads):
-        return loss, *(g if g is not None and w else getattr(a, n).new_empty(0) if getattr(a, n) is not None
-                       else loss.new_empty(0) for g, w, n in zip(grads, wanted_grads(need, count), spec.differentiable))
+    def outputs(a, need, results, grads):
+        return *results, *(g if g is not None and w else getattr(a, n).new_empty(0) if getattr(a, n) is not None
+                       else results[0].new_empty(0) for g, w, n in zip(grads, wanted_grads(need, count), spec.differentiable))
 
     def impl(*args, **kwargs):
         a, pinned, extra = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
-        loss, *grads = _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
-        return outputs(a, extra.get("need_grads", ()), loss, grads)
+        results = _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
+        return outputs(a, extra.get("need_grads", ()), results[:returned], results[returned:])
 
     def fake(*args, **kwargs):
         a, _, extra = _bind(spec, args, kwargs)
         need = wanted_grads(extra.get("need_grads", ()), count)
         inputs = [getattr(a, n) for n in spec.differentiable]
         grads = [torch.empty_like(t, dtype=grad_dtype(t)) if w else None for w, t in zip(need, inputs)]
-        return outputs(a, need, spec.fake(a), grads)
+        return outputs(a, need, _as_tuple(spec.fake(a)), grads)
 
     where = [spec.schema.positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
 
@@ -378,7 +401,7 @@ def _define_loss(spec: OpSpec) -> None:
         if ctx.rows:
             ctx.inputs, ctx.keywords = inputs, keyword_only_inputs
         else:
-            ctx.save_for_backward(*output[1:])
+            ctx.save_for_backward(*output[returned:])
         ctx.mark_non_differentiable(*output[1:])
 
     def backward(ctx, grad_loss, *_):
@@ -388,8 +411,8 @@ def _define_loss(spec: OpSpec) -> None:
         need = [i < passed and ctx.needs_input_grad[i] for i in where]
         if ctx.rows:
             keywords = {**ctx.keywords, "reduction": "sum", "need_grads": need}
-            own = ctx.inputs[: len(spec.schema.positional)]
-            grads = getattr(torch.ops.liger_dispatch, spec.name)(*own, grad_loss, **keywords)[1:]
+            inputs = ctx.inputs[: len(spec.schema.positional)]
+            grads = getattr(torch.ops.liger_dispatch, spec.name)(*inputs, grad_loss, **keywords)[returned:]
         else:
             # out of place: a traced backward may not change what the forward saved
             grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
@@ -399,7 +422,7 @@ def _define_loss(spec: OpSpec) -> None:
                 result[i] = g
         return tuple(result)
 
-    returns = "(" + ", ".join(["Tensor"] * (count + 1)) + ")"
+    returns = "(" + ", ".join(["Tensor"] * (returned + count)) + ")"
     _LIB.define(_torch_schema(spec, returns))
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
@@ -519,7 +542,7 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
         options["process_group"] = vocab_parallel.group_name(options["process_group"])
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
-        return op(*positional, **options, need_grads=need, backend=backend)[0]
+        return _own_outputs(_returns(spec.schema_text))(op(*positional, **options, need_grads=need, backend=backend))
     return op(*positional, **options, backend=backend)[:_returns(spec.schema_text)]
 
 

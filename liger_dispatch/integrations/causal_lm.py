@@ -43,7 +43,8 @@ def per_item(loss_sum: torch.Tensor, num_items_in_batch: Union[int, torch.Tensor
 def causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None, *, shift_labels: Optional[torch.Tensor] = None,
                    num_items_in_batch: Union[None, int, torch.Tensor] = None, ignore_index: int = -100,
-                   softcap: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+                   softcap: Optional[float] = None, backend: Optional[str] = None,
+                   return_token_accuracy: bool = False):
     """transformers' ForCausalLMLoss of `hidden_states @ weight.T (+ bias)` (then softcap), without the logits.
 
     Args:
@@ -54,8 +55,10 @@ def causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: Op
         num_items_in_batch: when given, the summed loss divided by it (exact gradient accumulation).
         softcap: Gemma's final_logit_softcapping: logits = softcap * tanh(logits / softcap).
         backend: pins the flce backend; None follows `use_backend`, LIGER_BACKEND_FLCE, LIGER_BACKEND, auto.
+        return_token_accuracy: also the fraction of the positions with a target whose target's logit is the max
+            (liger-kernel's token accuracy; a tie counts as predicted), without a gradient.
     Returns:
-        the scalar loss (fp32 math).
+        the scalar loss (fp32 math), or with return_token_accuracy a CrossEntropyOutput(loss, None, token_accuracy).
     """
     if shift_labels is None:
         if labels is None:
@@ -66,5 +69,9 @@ def causal_lm_loss(hidden_states: torch.Tensor, weight: torch.Tensor, labels: Op
     flce = dispatch.op("flce", backend=backend)
     reduction = "mean" if num_items_in_batch is None else "sum"
     with context:
-        loss = flce(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
-    return loss if num_items_in_batch is None else per_item(loss, num_items_in_batch)
+        out = flce(x, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                   return_token_accuracy=return_token_accuracy)
+    loss = out.loss if return_token_accuracy else out
+    if num_items_in_batch is not None:
+        loss = per_item(loss, num_items_in_batch)
+    return out._replace(loss=loss) if return_token_accuracy else loss

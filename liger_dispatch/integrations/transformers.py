@@ -12,7 +12,9 @@ one, ignore_index, num_items_in_batch, shift_labels), with the family's final_lo
 output is the model's own, with `loss` set and `logits` None. No part of HF's forward is copied: a release that
 reorganizes it keeps working as long as the forward takes `labels` and `logits_to_keep`, runs `model.base_model`
 once and projects with the output embeddings, which is checked when patching and on every call. A call without
-labels, or with `return_logits=True`, runs the forward untouched.
+labels, or with `return_logits=True`, runs the forward untouched. `return_token_accuracy=True` (liger-kernel's
+option) adds the output field `token_accuracy`: the fraction of the positions with a target whose target's logit
+is the max, as flce computes it.
 
 `distillation_loss(student, teacher, ...)` is TRL's GKD loss between two such models (`distillation` module).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import types
 from typing import Any, Optional, Union
@@ -99,7 +102,7 @@ def unpatch(model):
     return model
 
 
-def _patched_forward(self, *args, return_logits: bool = False, **kwargs):
+def _patched_forward(self, *args, return_logits: bool = False, return_token_accuracy: bool = False, **kwargs):
     state: _Patch = vars(self)[_STATE]
     call = state.signature.bind(*args, **kwargs)
     labels = call.arguments.get("labels")
@@ -125,9 +128,22 @@ def _patched_forward(self, *args, return_logits: bool = False, **kwargs):
     softcap = getattr(self.config, state.softcap_attr) if state.softcap_attr else None
     loss = causal_lm_loss(hidden, head.weight, labels, head.bias, shift_labels=extra.get("shift_labels"),
                           num_items_in_batch=extra.get("num_items_in_batch"),
-                          ignore_index=extra.get("ignore_index", -100), softcap=softcap, backend=state.backend)
+                          ignore_index=extra.get("ignore_index", -100), softcap=softcap, backend=state.backend,
+                          return_token_accuracy=return_token_accuracy)
+    if return_token_accuracy:
+        fields = {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs)}
+        outputs = _with_token_accuracy(type(outputs))(**fields)
+        outputs.token_accuracy, loss = loss.token_accuracy, loss.loss
     outputs = dataclasses.replace(outputs, loss=loss, logits=None)
     return outputs if return_dict else outputs.to_tuple()
+
+
+@functools.cache
+def _with_token_accuracy(output_class: type) -> type:
+    """output_class (a ModelOutput) with a `token_accuracy` field after its own, as liger-kernel's
+    LigerCausalLMOutputWithPast (a tuple output ends with it)."""
+    namespace = {"__annotations__": {"token_accuracy": Optional[torch.FloatTensor]}, "token_accuracy": None}
+    return dataclasses.dataclass(type(output_class.__name__, (output_class,), namespace))
 
 
 def _forward_exposing(signature: inspect.Signature):
@@ -137,7 +153,8 @@ def _forward_exposing(signature: inspect.Signature):
         return _patched_forward(self, *args, **kwargs)
 
     params = list(signature.parameters.values())  # ends with **kwargs (patch checks): keyword-only goes before
-    params.insert(len(params) - 1, inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=False))
+    for name in ("return_logits", "return_token_accuracy"):
+        params.insert(len(params) - 1, inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=False))
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     forward.__signature__ = signature.replace(parameters=[self_param, *params])
     forward.__doc__ = "The model's forward, its loss computed by liger-dispatch's flce when labels are given."
