@@ -3,11 +3,13 @@
     python -m benchmarks.host_cost                                         # the GPU host: losses and mHC, every backend
     python -m benchmarks.host_cost --out benchmarks/results/h200_host_cost.md
     python -m benchmarks.host_cost --device cpu --quick --backends reference   # the CPU smoke test
+    python -m benchmarks.host_cost --device cpu --quick --backends noop --calls 5000   # the noop rows alone, on the CPU
 
 Loss ops (one dispatch handle call, inputs and weight requiring gradients as in training, bf16):
   provider   "noop": a backend returning a preallocated loss, so the row is dispatch alone (binding, the memoized
              checks, the label check's launches, selection, autograd); then every backend that serves the op here
   handle us  host time of one handle call, the stream idle when it starts (median)
+  step us    the same call and its backward (loss.backward(), the inputs' gradients reset outside the timed window)
   impl us    the same call on the implementation the handle selects, directly (no dispatch, no label check)
   extra us   handle - impl: what dispatch adds to the kernels' own launch cost (target: <= 10)
   wall us    --calls handle calls back to back, one synchronization at the end, per call
@@ -117,7 +119,7 @@ def loss_rows(device: torch.device, dims: tuple, calls: int, asked: Optional[lis
     for op in LM_OPS:
         case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
         inputs = workloads.make_inputs(case, device, seed=0)
-        for backend in (register_noop(op, device), *_serving(op, device, case.dtype, asked)):
+        for backend in dict.fromkeys((register_noop(op, device), *_serving(op, device, case.dtype, asked))):
             handle = dispatch.op(op, backend=backend)
             impl = handle.select(*inputs.args, **inputs.kwargs)
             need = _needs_grads(op, inputs)
@@ -125,22 +127,28 @@ def loss_rows(device: torch.device, dims: tuple, calls: int, asked: Optional[lis
             def through_handle():
                 handle(*inputs.args, **inputs.kwargs)
 
+            def step():
+                handle(*inputs.args, **inputs.kwargs).backward()
+
             def direct():
                 with torch.no_grad():  # as inside the handle's autograd.Function
                     impl.fn(*inputs.args, **inputs.kwargs, need_grads=need)
 
             through_handle()
+            step()
             direct()
             n_handle, gpu = gpu_us(through_handle, device)
             n_impl, _ = gpu_us(direct, device)
             handle_us = timing.host_us(through_handle, device, calls)
+            step_us = timing.host_us(step, device, calls, inputs.leaves)
             impl_us = timing.host_us(direct, device, calls)
             extra = handle_us - impl_us
-            rows.append({"op": op, "provider": backend, "handle us": _fmt(handle_us), "impl us": _fmt(impl_us),
-                             "extra us": _fmt(extra), "wall us": _fmt(timing.wall_us(through_handle, device, calls)),
-                             "graph us": _fmt(timing.graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
-                             "launches": f"{_fmt(n_handle, 0)} / {_fmt(n_impl, 0)}",
-                             "target": "meets" if extra <= TARGET_EXTRA_US else "misses"})
+            rows.append({"op": op, "provider": backend, "handle us": _fmt(handle_us), "step us": _fmt(step_us),
+                         "impl us": _fmt(impl_us), "extra us": _fmt(extra),
+                         "wall us": _fmt(timing.wall_us(through_handle, device, calls)),
+                         "graph us": _fmt(timing.graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
+                         "launches": f"{_fmt(n_handle, 0)} / {_fmt(n_impl, 0)}",
+                         "target": "meets" if extra <= TARGET_EXTRA_US else "misses"})
     return rows
 
 
@@ -148,7 +156,7 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mhc_kernels.register_floor_backend(devices=(device.type,))
-    backends = ["floor", *_serving("mhc_coeffs", device, dtype, asked)]
+    backends = ["floor", *(b for b in _serving("mhc_coeffs", device, dtype, asked) if b != "noop")]
     for t, c in points:
         dims = (("B", 4), ("T", t), ("HC", 4), ("C", c))
         case = Case("mhc_coeffs", "host", t * c, dims, dtype, "fwd+bwd")
@@ -173,7 +181,7 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
     return rows
 
 
-LOSS_COLUMNS = ("op", "provider", "handle us", "impl us", "extra us", "wall us", "graph us", "gpu us", "launches",
+LOSS_COLUMNS = ("op", "provider", "handle us", "step us", "impl us", "extra us", "wall us", "graph us", "gpu us", "launches",
                 "target")
 MHC_COLUMNS = ("T x C", "provider", "eager us", "graph us", "gpu us", "host us", "launches", "target")
 
@@ -187,13 +195,14 @@ def table(columns, rows: list[dict]) -> list[str]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run host-cost", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--calls", type=int, default=200, help="calls a measurement takes (host, back to back)")
+    parser.add_argument("--calls", type=int, help="calls a measurement takes (host, back to back; default 200, "
+                        "3 with --quick)")
     parser.add_argument("--backends", nargs="+", help="backends to measure (default: every GPU backend serving here)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few calls (the CPU smoke test)")
     parser.add_argument("--out", type=Path, help="also write the tables (markdown) there")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    calls = 3 if args.quick else args.calls
+    calls = args.calls or (3 if args.quick else 200)
     loss_dims, points = (QUICK_LOSS_DIMS, QUICK_MHC_POINTS) if args.quick else (LOSS_DIMS, MHC_POINTS)
     run = environment.collect(device, argv)
     command = " ".join(["python -m benchmarks.host_cost", *map(shlex.quote, argv)])

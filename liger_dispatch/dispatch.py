@@ -32,7 +32,7 @@ class OpHandle:
     schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
     torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel", "_last")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
@@ -41,6 +41,9 @@ class OpHandle:
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
         self._vocab_parallel = self._spec.vocab_parallel is not None  # a DTensor weight: its local slices
+        # (calls.epoch, key, plan) of the last call whose plan was remembered: a call of the same signature compares
+        # its key with that one, not hashing it for the lookup (the call-signature cache holds the same plan)
+        self._last: Optional[tuple] = None
 
     def _bound(self, args: tuple, kwargs: dict):
         """The bound arguments after the op's input checks (a call of a remembered signature skips this)."""
@@ -58,9 +61,14 @@ class OpHandle:
             a = self._bound(args, kwargs)[0]
             return self._result(a, torch_ops.call(self._spec, self._backend_arg, a))
         signature = calls.key(self._spec, self.pinned, args, kwargs)
-        plan = calls.get(signature)
-        if plan is None or plan.launch is None:
-            return self._first_call(signature, args, kwargs)
+        last = self._last
+        if last is not None and last[0] == calls.epoch and last[1] == signature:
+            plan = last[2]
+        else:
+            plan = calls.get(signature)
+            if plan is None or plan.launch is None:
+                return self._first_call(signature, args, kwargs)
+            self._last = (calls.epoch, signature, plan)
         a = self._spec.schema.rebind(args, kwargs)
         if not autocast.enabled():
             return self._result(a, torch_ops.replay(self._spec, plan, a, args, kwargs))

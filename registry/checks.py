@@ -110,6 +110,9 @@ def integer(name: str, value) -> None:
         raise InputError(f"{name} must be an int, got {value!r}")
 
 
+_support = None  # registry/support.py, once class_indices first needs it
+
+
 def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
     """Every entry in [0, vocab) or equal to ignore_index.
 
@@ -120,9 +123,10 @@ def class_indices(name: str, target: torch.Tensor, vocab: int, ignore_index: int
     if target.numel() == 0:
         return
     if target.device.type != "cpu" and settings.CHECKS.get() != "full":
-        from liger_dispatch.registry import support  # (support's checks use this module)
-
-        support.run("check_class_indices", target, vocab=vocab, ignore_index=ignore_index, name=name)
+        global _support
+        if _support is None:  # imported here, once: support's checks use this module
+            from liger_dispatch.registry import support as _support
+        _support.run("check_class_indices", target, vocab=vocab, ignore_index=ignore_index, name=name)
         return
     low, high = (int(v) for v in torch.stack(torch.aminmax(torch.where(target == ignore_index, 0, target))).tolist())
     if low < 0 or high >= vocab:

@@ -21,8 +21,9 @@ SCALE_SCHEMA = "scale_grad(Tensor(a!) grad, Tensor grad_loss) -> ()"
 
 
 def run(op: str, *args, **kwargs) -> None:
-    """op's selected implementation on these arguments (its plan: calls.py)."""
-    calls.kernel(TABLE.spec(op), (), args, kwargs)(*args, **kwargs)
+    """op's selected implementation on these arguments (within a plan's value checks, selected once per signature of
+    that plan: calls.machinery)."""
+    calls.machinery(TABLE.spec(op), args, kwargs)
 
 
 def check_labels(a):

@@ -16,9 +16,8 @@ def _device_type(spec, a: Args) -> str:
     return getattr(a, spec.autocast[0]).device.type
 
 
-def enabled() -> bool:
-    """Autocast is on for some device type (one call into C, on every op call)."""
-    return torch._C._is_any_autocast_enabled()
+# enabled(): autocast is on for some device type (asked on every op call: torch's C function itself, no wrapper)
+enabled = torch._C._is_any_autocast_enabled
 
 
 def active(spec, a: Args) -> bool:

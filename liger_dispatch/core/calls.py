@@ -6,8 +6,15 @@ function that serves the call, which gradients it computes, and the fallback war
 with the same signature reuses the plan: it skips all of that but the steps that read the data or a setting each
 call, which it runs as the first call did: the value checks (a label outside [0, V): on the device, or on the host
 for CPU tensors and under LIGER_CHECKS=full) and a fallback's warning (once per reason) or, under LIGER_STRICT,
-error. Handles (eager calls), the torch ops' implementations (compiled calls), the vocab-parallel kernels and the
-machinery's own kernels (registry/support.py) all look their plans up here, with `key`.
+error. Handles (eager calls), the torch ops' implementations (compiled calls) and the vocab-parallel kernels look
+their plans up here, with `key`.
+
+The machinery's own kernel-level ops (registry/support.py: the device label check a value check runs, the scale of
+each gradient in a loss's backward) are selected once per signature of the call that runs them, not once per call:
+their arguments are a function of that signature (the call's target, the gradients its implementation returns and
+grad_loss, whose shape, dtype and device the op's contract fixes), so what they select is too. A plan keeps them in
+`Kernels`, by their place in the call; a change to the op table or selection.reset() makes the next call select
+them again (through `kernel`, whose plans are remembered here too).
 
 The key holds everything the skipped steps read:
 - the op and the backends pinned by the caller;
@@ -25,6 +32,7 @@ calls whose signature cannot be hashed (an unhashable option) or read (a tensor 
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -35,34 +43,59 @@ from liger_dispatch.settings import TUNED_TABLE, getenv
 
 LIMIT = 4096  # signatures remembered; past that they start over (a run whose shapes never repeat)
 _VERSION = -2  # the table version's place in a key (the generation is last)
+epoch = 0  # bumped whenever the plans are forgotten: a plan a handle kept for its last signature is forgotten too
+
+
+class Kernels:
+    """The machinery's kernel-level ops that the calls of one signature run, by place: each selected on its first
+    call (`kernel`) and reused while the op table and selection.generation are what they were then. Every call
+    still gets the op's fallback warning (or strict error) and value checks."""
+
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        self.made: dict = {}  # place -> (spec, plan, TABLE.version, selection.generation)
+
+    def run(self, place, spec, args: tuple, kwargs: dict):
+        made = self.made.get(place)
+        if made is None or made[0] is not spec or made[2] != TABLE.version or made[3] != selection.generation:
+            plan = _kernel_plan(spec, (), args, kwargs)
+            # the versions after selecting: its discovery may have imported (and registered) backends
+            made = self.made[place] = (spec, plan, TABLE.version, selection.generation)
+        plan = made[1]
+        if plan.fallback is not None:
+            plan.fallback()
+        if spec.value_check is not None:
+            spec.value_check(spec.schema.bind(args, kwargs))
+        return plan.fn(*args, **kwargs)
 
 
 class Plan:
     """What the calls of one signature run: `fallback()` (the fallback's warning, or None when the selected
     implementation is the one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for
     a handle's eager call, `launch(a, args, kwargs)`: fn under the autograd.Function that computes the gradients
-    the signature asks for (torch_ops.py)."""
+    the signature asks for (torch_ops.py). `checks`: the machinery kernels its value checks run (`value_checks`),
+    None once its first call's checks ran none."""
 
-    __slots__ = ("fn", "fallback", "launch", "backend")
+    __slots__ = ("fn", "fallback", "launch", "backend", "checks")
 
     def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str,
                  launch: Optional[Callable] = None):
         self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, launch
+        self.checks: Optional[Kernels] = Kernels()
 
 
 _plans: dict[tuple, Plan] = {}
 
 
-def _signature(values) -> tuple:
-    """Each value's part of a call's signature (one comprehension, no call per value: this is the per-call path)."""
-    return tuple([(type(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor)
-                  else (type(v), v) for v in values])
-
-
 def key(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[tuple]:
-    """The key of a call's plan, or None when the call cannot be remembered."""
+    """The key of a call's plan, or None when the call cannot be remembered. Each value's part of the signature, the
+    positional ones then the keyword ones (named by tuple(kwargs)), comes from one comprehension: no call per value,
+    this is the per-call path."""
     try:
-        return (spec, pinned, _signature(args), tuple(kwargs), _signature(kwargs.values()) if kwargs else (),
+        return (spec, pinned, tuple([(type(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
+                                     if isinstance(v, torch.Tensor) else (type(v), v)
+                                     for v in ((*args, *kwargs.values()) if kwargs else args)]), tuple(kwargs),
                 torch.is_grad_enabled(), autocast.enabled() and _autocast_state(spec, args, kwargs),
                 None if pinned else _preference(spec), TABLE.version_of(spec.name), selection.generation)
     except (RuntimeError, AttributeError, KeyError, IndexError):  # no strides, not a tensor, missing
@@ -83,7 +116,7 @@ def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
     if call_key is None or process_group is not None:
         return
     if len(_plans) >= LIMIT:
-        _plans.clear()
+        reset()
     # under the table's version the plan was made at: the call's discovery may have registered backends since
     # the key was made, and the next call makes its key with this one
     try:
@@ -93,8 +126,10 @@ def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
 
 
 def reset() -> None:
-    """Forget every plan (tests)."""
+    """Forget every plan."""
+    global epoch
     _plans.clear()
+    epoch += 1
 
 
 def _preference(spec):
@@ -114,17 +149,53 @@ def _autocast_state(spec, args: tuple, kwargs: dict):
     return autocast.state(value.device.type)
 
 
-def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable:
-    """The implementation that serves this call of a kernel-level op, from the plan of its signature (made on its
-    first call), after its fallback warning (or strict error) and value checks."""
+def _kernel_plan(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Plan:
     call_key = key(spec, pinned, args, kwargs)
     plan = get(call_key)
     if plan is None:
         impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
         plan = Plan(impl.fn, fallback, impl.backend)
         remember(call_key, plan)
+    return plan
+
+
+def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable:
+    """The implementation that serves this call of a kernel-level op, from the plan of its signature (made on its
+    first call), after its fallback warning (or strict error) and value checks."""
+    plan = _kernel_plan(spec, pinned, args, kwargs)
     if plan.fallback is not None:
         plan.fallback()
     if spec.value_check is not None:
-        spec.value_check(spec.schema.bind(args, kwargs))
+        value_checks(spec, plan, spec.schema.bind(args, kwargs))
     return plan.fn
+
+
+_checking = threading.local()  # .at: [the Kernels of the plan whose value checks run now on this thread, places used]
+
+
+def value_checks(spec, plan: Plan, a) -> None:
+    """spec's value checks of a call of plan's signature; the machinery kernels they run (`machinery`) are plan's."""
+    kernels = plan.checks
+    if kernels is None:
+        spec.value_check(a)
+        return
+    previous = getattr(_checking, "at", None)
+    _checking.at = [kernels, 0]
+    try:
+        spec.value_check(a)
+    finally:
+        _checking.at = previous
+    if not kernels.made:  # none ran: the later calls need no place for them (one that runs one selects it per call)
+        plan.checks = None
+
+
+def machinery(spec, args: tuple, kwargs: dict) -> None:
+    """Run one of the machinery's own kernel-level ops (registry/support.py): within a plan's value checks, the
+    kernel that plan keeps for this place; elsewhere, the plan of this call's signature."""
+    at = getattr(_checking, "at", None)
+    if at is None:
+        kernel(spec, (), args, kwargs)(*args, **kwargs)
+        return
+    kernels, place = at
+    at[1] = place + 1
+    kernels.run(place, spec, args, kwargs)

@@ -88,15 +88,13 @@ class OpSpec:
     summary: str = ""
     schema: OpSchema = field(init=False)
     extra: OpSchema = field(init=False)
+    name: str = field(init=False)  # the schema's (an attribute, not a property: calls read it on the per-call path)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schema", OpSchema(self.schema_text))
         object.__setattr__(self, "extra", OpSchema(f"extra(*, {self.impl_extra}) -> ()" if self.impl_extra
                                                    else "extra() -> ()"))
-
-    @property
-    def name(self) -> str:
-        return self.schema.name
+        object.__setattr__(self, "name", self.schema.name)
 
 
 @dataclass(frozen=True)
@@ -195,7 +193,8 @@ class OpTable:
         return name
 
     def spec(self, op: str) -> OpSpec:
-        return self._ops[self.canonical(op)]
+        spec = self._ops.get(op)  # a canonical name: one lookup (the machinery's own calls name their ops so)
+        return spec if spec is not None else self._ops[self.canonical(op)]
 
     def op_names(self, level: Optional[str] = None) -> list[str]:
         return [n for n, s in self._ops.items() if level is None or s.level == level]

@@ -23,7 +23,6 @@ from typing import Callable, Optional
 import torch
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch.registry import support
 from liger_dispatch.core import selection
 from liger_dispatch.compose import vocab_parallel
 from liger_dispatch.core import calls, results
@@ -68,10 +67,10 @@ class _GradsInForward(torch.autograd.Function):
     forward pass scaled by grad_loss in the backward."""
 
     @staticmethod
-    def forward(ctx, op, run, outputs, *tensors):
+    def forward(ctx, run, planned, outputs, *tensors):
         results = run()
         ctx.save_for_backward(*results[outputs:])
-        ctx.op = op
+        ctx.planned = planned  # (the op's name, the plan's calls.Kernels for the gradients' scale_grad)
         if outputs == 1:
             return results[0]
         ctx.mark_non_differentiable(*results[1:outputs])
@@ -79,7 +78,7 @@ class _GradsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        once_differentiable(ctx.op)
+        once_differentiable(ctx.planned[0])
         return None, None, None, *_scaled(ctx, grad_loss)
 
 
@@ -133,16 +132,18 @@ def _scaled(ctx, grad_loss: torch.Tensor) -> list:
     scale_grad kernel reads it on the device and returns at once when it is 1 (registry/support.py). In place: the
     saved gradients are the op's outputs, and a second backward through the same node (retain_graph=True) is
     refused rather than scaled twice. A backward traced by torch.compile may not change what its forward saved,
-    so the torch.library ops scale out of place there (_define_loss)."""
+    so the torch.library ops scale out of place there (_define_loss). Each gradient's scale_grad is selected once
+    per signature of the forward (the plan's calls.Kernels, ctx.planned[1])."""
     if getattr(ctx, "scaled", False):
         raise RuntimeError("liger_dispatch: a fused-linear loss computes its gradients in the forward pass and "
                            "scales them in place in the backward, so it cannot be backpropagated twice "
                            "(retain_graph=True); compute the loss again instead")
     ctx.scaled = True
     grads = ctx.saved_tensors
-    for g in grads:
+    scale, scales = TABLE.spec("scale_grad"), ctx.planned[1]
+    for i, g in enumerate(grads):
         if g is not None:
-            support.run("scale_grad", g, grad_loss)
+            scales.run(i, scale, (g, grad_loss), {})
     return list(grads)
 
 
@@ -162,12 +163,12 @@ def _apply(function, head: tuple, tensors: tuple):
     return _DIRECT[function](*head, *tensors)
 
 
-def _checked(spec: OpSpec, fallback: Optional[Callable[[], None]], a: Args) -> None:
+def _checked(spec: OpSpec, plan: Plan, a: Args) -> None:
     """What every call runs, remembered or not: its fallback's warning (or error), then the op's value checks."""
-    if fallback is not None:
-        fallback()
+    if plan.fallback is not None:
+        plan.fallback()
     if spec.value_check is not None:
-        spec.value_check(a)
+        calls.value_checks(spec, plan, a)
 
 
 def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
@@ -221,9 +222,9 @@ def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs
     if plan is None:
         plan = _plan(spec, pinned, a, args, kwargs)
         calls.remember(call_key, plan, getattr(a, "process_group", None))
-        _checked(spec, plan.fallback, a)
+        _checked(spec, plan, a)
         return _checking(spec, plan.backend, plan.fn)
-    _checked(spec, plan.fallback, a)
+    _checked(spec, plan, a)
     return plan.fn
 
 
@@ -231,9 +232,10 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
     """The eager path's first half: select and check values; what calls of this one's signature run (the first
     one with its results checked)."""
     made = _plan(spec, pinned, a, args, kwargs)
-    _checked(spec, made.fallback, a)
-    launch = _launcher(spec, made.fn, a)
-    first = _launcher(spec, _checking(spec, made.backend, made.fn), a)
+    _checked(spec, made, a)
+    scales = calls.Kernels()  # the backward's, shared by the first call and the later ones
+    launch = _launcher(spec, made.fn, a, scales)
+    first = _launcher(spec, _checking(spec, made.backend, made.fn), a, scales)
 
     def first_launch(a, args, kwargs):
         made.launch = launch
@@ -245,13 +247,16 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
 
 def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
     """A call of a signature planned before: its fallback warning and value checks, then the plan."""
-    _checked(spec, plan.fallback, a)
+    if plan.fallback is not None:
+        plan.fallback()
+    if spec.value_check is not None:
+        calls.value_checks(spec, plan, a)
     return plan.launch(a, args, kwargs)
 
 
-def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dict], object]:
+def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Callable[[Args, tuple, dict], object]:
     """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function:
-    all fixed by the signature), decided once."""
+    all fixed by the signature), decided once; `scales`: where the backward keeps its gradients' scale_grad."""
     if spec.level == "kernel":
         return lambda a, args, kwargs: fn(*args, **kwargs)
     need = _needs(spec, a)
@@ -271,7 +276,8 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args) -> Callable[[Args, tuple, dic
             return _apply(_RowLosses, (spec.name, lambda: own_outputs(fn(*args, **kwargs)), backward), tensors(a))
 
         return launch_rows
-    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need),
+    planned = (spec.name, scales)
+    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need), planned,
                                                             outputs), tensors(a))
 
 
