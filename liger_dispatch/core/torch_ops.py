@@ -354,8 +354,10 @@ def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     result = []
     for out in outputs:
-        if isinstance(out, torch.Tensor) and out.numel():
-            if out.untyped_storage().data_ptr() in seen or out.data_ptr() % 16:
+        if isinstance(out, torch.Tensor):
+            if not out.numel():  # an empty one aliases only itself: one tensor returned twice
+                out = out.new_empty(out.shape) if any(out is r for r in result) else out
+            elif out.untyped_storage().data_ptr() in seen or out.data_ptr() % 16:
                 out = out.clone()
             seen.add(out.untyped_storage().data_ptr())
         result.append(out)
@@ -391,7 +393,7 @@ def _define_loss(spec: OpSpec) -> None:
         a, pinned, extra = _bind(spec, args, kwargs)
         positional, options = spec.schema.call_args(a)
         results = _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
-        return outputs(a, extra.get("need_grads", ()), results[:returned], results[returned:])
+        return _unaliased(outputs(a, extra.get("need_grads", ()), results[:returned], results[returned:]), positional)
 
     def fake(*args, **kwargs):
         a, _, extra = _bind(spec, args, kwargs)
