@@ -257,8 +257,8 @@ def compose_flce(kernel, vocab_parallel=None):
             loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
         z_loss, token_accuracy = (row_statistics(row_stats, count, reduction, lse_square_scale, target.shape)
                                   if asked else (None, None))
-        empty = loss.new_empty(0)
-        return (loss, z_loss if return_z_loss else empty, token_accuracy if return_token_accuracy else empty,
+        return (loss, z_loss if return_z_loss else loss.new_empty(0),  # two empties: a torch op's outputs never alias
+                token_accuracy if return_token_accuracy else loss.new_empty(0),
                 None if dx is None else dx.view(input.shape), dw, None if db is None else db.to(fl.grad_dtype(bias)))
 
     return flce

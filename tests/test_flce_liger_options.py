@@ -169,8 +169,9 @@ def functional_cases():
 
 @pytest.mark.parametrize("backend, B, T, H, V, scalar, dtype, atol, rtol, bias, ce_weight", functional_cases())
 def test_correctness_functional(backend, B, T, H, V, scalar, dtype, atol, rtol, bias, ce_weight):
-    """liger-kernel's functional call with every option on, here against torch's formulas in fp32 (its class
-    weights are standard normal: negative ones too)."""
+    """liger-kernel's functional call with every option on, here against torch's formulas on the same logits (the
+    head in the input's dtype, then fp32, as TorchLMHeadCE; its class weights are standard normal: negative ones
+    too)."""
     torch.manual_seed(42)
     x = torch.randn(B * T, H, device=DEVICE, dtype=dtype) * scalar
     x1, x2 = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
@@ -181,17 +182,15 @@ def test_correctness_functional(backend, B, T, H, V, scalar, dtype, atol, rtol, 
     result = dispatch.op("flce", backend=backend)(x1, weight, target, bias, ce_weight, ignore_index=-100,
                                                   lse_square_scale=1e-4, label_smoothing=0.1, reduction="mean",
                                                   softcap=30.0, return_z_loss=True, accum_dtype=torch.float32)
-    logits = 30.0 * torch.tanh(torch.nn.functional.linear(x2.float(), weight.float(),
-                                                          None if bias is None else bias.float()) / 30.0)
+    logits = 30.0 * torch.tanh(F.linear(x2, weight, bias).float() / 30.0)
     y2, z2 = CrossEntropyWithZLoss(weight=ce_weight, lse_square_scale=1e-4, label_smoothing=0.1,
                                    return_z_loss=True)(logits, target)
-    tolerance = (atol, rtol) if dtype == torch.float32 else (5e-2, 5e-2)  # torch's logits here are fp32's
-    assert_close(result.loss, y2, *tolerance)
-    assert_close(result.z_loss, z2, *tolerance)
+    assert_close(result.loss, y2, atol, rtol)
+    assert_close(result.z_loss, z2, atol, rtol)
     grad_output = torch.randn_like(y2)
     result.loss.backward(grad_output)
     y2.backward(grad_output)
-    assert_close(x1.grad, x2.grad, *(tolerance if dtype == torch.float32 else (1e-1, 1e-1)))
+    assert_close(x1.grad, x2.grad, atol, rtol)
 
 
 def accuracy_cases():
