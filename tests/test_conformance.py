@@ -43,28 +43,8 @@ def strict(monkeypatch):
     monkeypatch.setenv("LIGER_STRICT", "1")  # a pinned backend that silently fell back would test nothing
 
 
-@pytest.mark.parametrize("op,backend,dtype,case", cases("flce"))
-def test_flce(op, backend, dtype, case):
-    testing.check_case(op, backend, dtype, case, DEVICE)
-
-
-@pytest.mark.parametrize("op,backend,dtype,case", cases("fused_linear_logprobs"))
-def test_fused_linear_logprobs(op, backend, dtype, case):
-    testing.check_case(op, backend, dtype, case, DEVICE)
-
-
-@pytest.mark.parametrize("op,backend,dtype,case", cases("fused_linear_jsd"))
-def test_fused_linear_jsd(op, backend, dtype, case):
-    testing.check_case(op, backend, dtype, case, DEVICE)
-
-
-@pytest.mark.parametrize("op,backend,dtype,case", cases("fused_linear_kl_div"))
-def test_fused_linear_kl_div(op, backend, dtype, case):
-    testing.check_case(op, backend, dtype, case, DEVICE)
-
-
-@pytest.mark.parametrize("op,backend,dtype,case", cases("mhc_coeffs"))
-def test_mhc_coeffs(op, backend, dtype, case):
+@pytest.mark.parametrize("op,backend,dtype,case", [p for op in testing.CASES for p in cases(op)])
+def test_case(op, backend, dtype, case):
     testing.check_case(op, backend, dtype, case, DEVICE)
 
 

@@ -73,6 +73,13 @@ def backends_here(op):
                                                                                        dtype=torch.float32)]
 
 
+def handle_here(op, backend):
+    """dispatch.op(op, backend=backend), or the test skipped where that backend cannot run op here."""
+    if backend not in backends_here(op):
+        pytest.skip(f"{backend} cannot run {op} here")
+    return dispatch.op(op, backend=backend)
+
+
 # -- the schema ------------------------------------------------------------------------------------------------------
 def test_registration_rejects_a_signature_that_is_not_the_schema(isolated_table):
     def wrong_name(student_logits, teacher, labels=None, *, beta=0.5, ignore_index=-100, temperature=1.0,
@@ -157,8 +164,7 @@ def test_opcheck_mhc():
 def test_backward_op_outputs_are_aligned_and_unaliased(backend):
     """Inductor asserts that an op's outputs start on 16 bytes; a backend's gradients may be views into one buffer its
     kernel fills at once (the mHC alphas'), so the backward op hands out separate, aligned tensors."""
-    if backend not in backends_here("mhc_coeffs"):
-        pytest.skip(f"{backend} cannot run mhc_coeffs here")
+    handle_here("mhc_coeffs", backend)
     x, phi, b, *alphas = mhc_inputs()
     *coeffs, mix, rstd = torch.ops.liger_dispatch.mhc_coeffs(x, phi, b, *alphas, tmax=3, backend=backend)
     upstream = [torch.randn_like(c) for c in coeffs]
@@ -172,9 +178,7 @@ def test_backward_op_outputs_are_aligned_and_unaliased(backend):
 @pytest.mark.parametrize("op", list(LOSSES))
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_compile_fullgraph_losses(op, backend):
-    if backend not in backends_here(op):
-        pytest.skip(f"{backend} cannot run {op} here")
-    handle = dispatch.op(op, backend=backend)
+    handle = handle_here(op, backend)
     compiled_equals_eager(lambda *a: handle(*a, **LOSSES[op]), loss_inputs(op))
 
 
@@ -191,18 +195,14 @@ def test_compile_fullgraph_flce_per_row():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_compile_fullgraph_mhc(backend):
-    if backend not in backends_here("mhc_coeffs"):
-        pytest.skip(f"{backend} cannot run mhc_coeffs here")
-    handle = dispatch.op("mhc_coeffs", backend=backend)
+    handle = handle_here("mhc_coeffs", backend)
     compiled_equals_eager(lambda *a: handle(*a, tmax=3), mhc_inputs())
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_compile_fullgraph_logprobs(backend):
     """Both outputs; the entropy unused; no bias."""
-    if backend not in backends_here("fused_linear_logprobs"):
-        pytest.skip(f"{backend} cannot run fused_linear_logprobs here")
-    handle = dispatch.op("fused_linear_logprobs", backend=backend)
+    handle = handle_here("fused_linear_logprobs", backend)
     compiled_equals_eager(lambda *a: handle(*a, temperature=0.7), logprobs_inputs())
     compiled_equals_eager(lambda *a: handle(*a)[0], logprobs_inputs(bias=False))
 

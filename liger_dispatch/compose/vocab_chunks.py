@@ -38,7 +38,13 @@ def column_chunks(x: torch.Tensor, vocab: int) -> list[tuple[int, int]]:
         budget -= x.numel() * 4
         limit = max(COLUMN_ALIGN, int(budget // (n_rows * bytes_per_logit)) // COLUMN_ALIGN * COLUMN_ALIGN)
         width = math.ceil(math.ceil(vocab / math.ceil(vocab / limit)) / COLUMN_ALIGN) * COLUMN_ALIGN
-    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)] or [(0, 0)]
+    return _slices(vocab, width)
+
+
+def _slices(vocab: int, width: int) -> list[tuple[int, int]]:
+    if not vocab:  # an empty vocabulary slice (vocab-parallel): one empty chunk
+        return [(0, 0)]
+    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
 
 
 def _slice(buffer: torch.Tensor, columns: int) -> torch.Tensor:
@@ -70,8 +76,9 @@ def backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
              grad_of: Callable[[torch.Tensor, int], None], *, want_dx: bool, want_dw: bool, want_db: bool,
              unscale: Optional[torch.Tensor] = None):
     """(dX, dW, db), None where not wanted. grad_of(logits, start) overwrites one slice's logits with the gradient
-    over them (times the fp16 buffer's factor, which `unscale` undoes: grad_bounds.py)."""
-    chunks = column_chunks(x, weight.shape[0])
+    over them (times the fp16 buffer's factor, which `unscale` undoes: grad_bounds.py). The slices are the
+    forward's, read off the kept buffer (the first slice, the widest)."""
+    chunks = _slices(weight.shape[0], kept.shape[1])
     several = len(chunks) > 1
     dx = (torch.zeros(x.shape, dtype=grad_bounds.wide(x), device=x.device) if several else torch.empty_like(x)
           ) if want_dx else None
