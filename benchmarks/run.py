@@ -37,6 +37,7 @@ TOOLS = {  # `python -m benchmarks.run <name> ...`: the harness's other measurem
     "mhc-kernels": ("benchmarks.mhc_kernels", "each backend's mHC kernels against the byte floor"),
     "helion-configs": ("benchmarks.helion_tune", "regenerate the Helion backend's config tables"),
     "rl-losses": ("benchmarks.rl_losses", "whole GRPO and DPO losses at an LM head, ours against liger-kernel's"),
+    "kernel-times": ("benchmarks.kernel_times", "each kernel's GPU time in one provider's step, summed by name"),
 }
 
 

@@ -20,16 +20,15 @@ The user-level op over them, with a backward of its own (the RL loss that consum
         target's shape; z = (input @ weight.T + bias) / T. Ignored rows: 0 in both, no gradient.
 
 Chunks are slices of the vocabulary, all rows each (compose/vocab_chunks.py): each slice of dW is one GEMM, rounded
-once, as torch's unchunked matmul is. Forward, per slice: logits = x @ W_s.T (+ bias_s) into one buffer,
-logprobs_stats at the slice's vocab_start; the slices' statistics combine as ranks' do (`combine_stats`). The first
-slice runs last, so the buffer holds its logits after the loop and is kept for the backward; [N, V] never exists
-unless it fits the budget. Backward, given g = d/d logprobs and h = d/d entropy (either may be None: an entropy only
-logged is never read): the first slice's logits are those kept, the others are recomputed into the same buffer;
+once, as torch's unchunked matmul is. Forward, per slice: logits = x @ W_s.T (+ bias_s) into their place in one
+buffer, logprobs_stats at the slice's vocab_start; the slices' statistics combine as ranks' do (`combine_stats`).
+The buffer is kept for the backward, and dW becomes its first bytes: the logits kept live in the memory dW will
+take (vocab_chunks.Layout). Backward, given g = d/d logprobs and h = d/d entropy (either may be None: an entropy
+only logged is never read): the kept slices' logits are read where the forward left them, the others recomputed;
 logprobs_grad turns them into dz in place; dX += dz W_s (fp32), dW_s = dz^T x, db_s = sum dz. Cost: 6 N H V FLOPs
-when [N, V] fits the budget, 6 N H V + 2 N H (V - Vc) beyond it (Vc the kept slice's width); the memory of the
-buffer (the budget) held from the forward to the backward, besides dW and, with several slices, dX's fp32
-accumulator (inside the budget). At H = 4096, V = 128256 bf16 and the 512 MB budget: N <= 2048 all kept
-(6 N H V), N = 4096 three slices (1.22x of 6 N H V), 8192 six (1.28x), 16384 sixteen (1.31x).
+while [N, V] fits in dW's memory plus the budget, 2 N H more a recomputed column beyond it. At H = 4096,
+V = 128256 bf16 and the 512 MB budget: N <= 4096 all kept (6 N H V; the buffer 1.1-1.5 GB, dW's 1.05 GB
+included), N = 8192 57 % kept (1.14x of 6 N H V), 16384 26 % (1.25x).
 
 Vocab-parallel (process_group= or a DTensor weight): each rank's statistics over its slice, for all rows, are
 all-gathered once ([W, N, 3]) and combined (`combine_stats`); the backward needs no statistics from the other ranks,
@@ -118,20 +117,14 @@ def _row_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def kept_columns(x: torch.Tensor, vocab: int) -> int:
-    """The width of the vocabulary slice whose logits the forward keeps for the backward (all V when they fit)."""
-    start, end = vocab_chunks.column_chunks(x, vocab)[0]
-    return end - start
-
-
 def fake_user_op(a):
-    """(logprobs, entropy) in the target's shape, then what the backward needs: the statistics [N, 3] and the kept
-    logits [N, kept_columns]."""
-    n, vocab = a.target.numel(), a.weight.shape[0]
+    """(logprobs, entropy) in the target's shape, then what the backward needs: the statistics [N, 3] and the bytes
+    of the buffer that keeps the logits (vocab_chunks.layout)."""
     dtype = _row_dtype(a.input)
-    kept = kept_columns(fl.flat(a.input, a.input.shape[-1]), vocab)
+    nbytes = vocab_chunks.layout(fl.flat(a.input, a.input.shape[-1]), a.weight).nbytes
     return (a.input.new_empty(a.target.shape, dtype=dtype), a.input.new_empty(a.target.shape, dtype=dtype),
-            a.input.new_empty((n, STATS_COLUMNS), dtype=dtype), a.input.new_empty((n, kept)))
+            a.input.new_empty((a.target.numel(), STATS_COLUMNS), dtype=dtype),
+            a.input.new_empty((nbytes,), dtype=torch.uint8))
 
 
 def combine_stats(gathered: torch.Tensor) -> torch.Tensor:
@@ -151,7 +144,7 @@ def vocab_parallel_kernels(shard, kernels):
 
 class FusedLinearLogProbs:
     """fused_linear_logprobs composed from a backend's logprobs_stats / logprobs_grad (the module docstring says the
-    algorithm): calling it returns (logprobs, entropy, stats, kept logits); `backward` returns the gradients of
+    algorithm): calling it returns (logprobs, entropy, stats, the logits' buffer); `backward` returns the gradients of
     (input, weight, bias). Autograd around it is the machinery's (core/torch_ops.py). vocab_parallel: the
     VocabShard of a vocab-parallel call. accum_dtype changes nothing here: no gradient is accumulated in a narrow
     dtype (dW is one GEMM per slice, dX sums in fp32)."""
@@ -172,14 +165,14 @@ class FusedLinearLogProbs:
         def stats_of(logits, start):
             return self.stats(logits, labels, **self._options(start, temperature, ignore_index))
 
-        stats, kept = vocab_chunks.forward(x, weight, bias, stats_of, combine_stats)
+        stats, buffer = vocab_chunks.forward(x, weight, bias, stats_of, combine_stats)
         if self.shard is not None:
             stats = combine_stats(self.shard.gather(stats))
         lse, z_target, mean = (s.view(target.shape) for s in stats.unbind(1))
         valid = target != ignore_index
-        return torch.where(valid, z_target - lse, 0.0), torch.where(valid, lse - mean, 0.0), stats, kept
+        return torch.where(valid, z_target - lse, 0.0), torch.where(valid, lse - mean, 0.0), stats, buffer
 
-    def backward(self, input, weight, target, bias, stats, kept, grad_logprobs, grad_entropy, *, temperature=1.0,
+    def backward(self, input, weight, target, bias, stats, buffer, grad_logprobs, grad_entropy, *, temperature=1.0,
                  ignore_index=-100, accum_dtype=None, process_group=None):
         """-> (grad_input [..., H], grad_weight [V, H], grad_bias [V] or None)."""
         x, labels = fl.flat(input, input.shape[-1]), fl.flat(target).long()
@@ -197,7 +190,7 @@ class FusedLinearLogProbs:
         def grad_of(logits, start):
             self.grad(logits, labels, stats, g, h, **self._options(start, temperature, ignore_index))
 
-        dx, dw, db = vocab_chunks.backward(x, weight, bias, kept, grad_of, want_dx=True, want_dw=True,
+        dx, dw, db = vocab_chunks.backward(x, weight, bias, buffer, grad_of, want_dx=True, want_dw=True,
                                            want_db=bias is not None, unscale=unscale)
         if self.shard is not None:
             self.shard.sum_over_ranks(dx)
@@ -224,7 +217,7 @@ OPS = (
     OpSpec(USER_SCHEMA, "user", check_user_op, value_check=heads.target_classes,
            composed_of=("logprobs_stats", "logprobs_grad"), compose=FusedLinearLogProbs, probe=probe_user_op,
            differentiable=("input", "weight", "bias"), autocast=("input", "weight", "bias"), fake=fake_user_op,
-           saved="Tensor stats, Tensor(a!) logits",
+           saved="Tensor stats, Tensor(a!) buffer",
            vocab_parallel=VocabParallel("weight", sliced={"weight": 0, "bias": 0},
                                         replicated={"input": False, "target": True}, kernel=vocab_parallel_kernels),
            summary="fused linear per-token log-probs and entropy (RL / preference training), with autograd"),

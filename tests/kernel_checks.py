@@ -64,3 +64,20 @@ def check_rows_relative(loss, grad, expected_loss, expected_grad, tol=5e-3):
     torch.testing.assert_close(loss.double(), expected_loss, rtol=1e-4, atol=1e-4)
     err = (grad.double() - expected_grad).norm(dim=1)
     assert (err <= tol * expected_grad.norm(dim=1)).all(), err.max()
+
+
+def keep_some_slices(monkeypatch, rows, hidden, vocab, dtype, columns):
+    """Set LIGER_CHUNK_COLUMNS and a LIGER_CHUNK_BUDGET_MB under which the vocabulary-chunk layout keeps
+    some slices' logits from the forward and recomputes the others in the backward (compose/vocab_chunks.py)."""
+    from liger_dispatch.compose import vocab_chunks
+
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", str(columns))
+    x, w = (torch.empty(n, hidden, dtype=dtype, device="meta") for n in (rows, vocab))
+    nbytes = 16
+    while nbytes < 1 << 30:
+        monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", repr(nbytes / 2**20))
+        plan = vocab_chunks.layout(x, w)
+        if 0 < len(plan.offsets) < len(plan.slices):
+            return plan
+        nbytes = nbytes * 5 // 4 + 16
+    raise AssertionError(f"no budget keeps only some of {columns}-column slices of [{rows}, {vocab}]")

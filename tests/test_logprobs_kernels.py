@@ -19,7 +19,7 @@ from liger_dispatch import dispatch
 from liger_dispatch.errors import InputError
 from liger_dispatch.backends.reference import formulas
 
-from kernel_checks import DEVICE, IGNORE
+from kernel_checks import DEVICE, IGNORE, keep_some_slices
 
 ON_GPU = DEVICE == "cuda"
 # an empty slice's lse is log(0) = -inf, which numpy in Triton's interpreter reports
@@ -255,14 +255,18 @@ def test_logprobs_rows_gradcheck():
     torch.testing.assert_close(ent[[0, 2, 3]], -(p * p.log()).sum(-1)[[0, 2, 3]])
 
 
-@pytest.mark.parametrize("chunk_columns", ["3", "64"])
-def test_user_op_reference_float64_is_the_spec(chunk_columns, monkeypatch):
-    """fused_linear_logprobs on the reference kernels in float64 (3 vocabulary columns a slice: the first kept, the
-    others recomputed, the last one narrower; 64: all kept) against formulas.logprobs_rows on the logits
-    (gradchecked above): values, and the gradients of random upstreams on both outputs and on each alone, to float64
-    rounding. Its backward overwrites the logits it kept, so a second backward through one call (what gradcheck
-    does) is refused."""
-    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", chunk_columns)
+@pytest.mark.parametrize("slices", ["all kept", "some kept", "none kept", "one"])
+def test_user_op_reference_float64_is_the_spec(slices, monkeypatch):
+    """fused_linear_logprobs on the reference kernels in float64 (3 vocabulary columns a slice, the last one
+    narrower: every slice's logits kept from the forward, only the first ones, or none, the others recomputed in the
+    backward; or one slice) against formulas.logprobs_rows on the logits (gradchecked above): values, and the
+    gradients of random upstreams on both outputs and on each alone, to float64 rounding. Its backward overwrites
+    the logits it kept, so a second backward through one call (what gradcheck does) is refused."""
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "64" if slices == "one" else "3")
+    if slices == "some kept":
+        keep_some_slices(monkeypatch, 5, 4, 7, torch.float64, 3)
+    elif slices == "none kept":
+        monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", "1e-9")
     op = dispatch.op("fused_linear_logprobs", backend="reference")
     leaves = [torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((5, 4), (7, 4), (7,))]
     target = torch.tensor([3, IGNORE, 0, 6, 2])
@@ -281,11 +285,11 @@ def test_user_op_reference_float64_is_the_spec(chunk_columns, monkeypatch):
 
 @pytest.mark.parametrize("backend", backends())
 def test_user_op_vocabulary_slices_match_float64(backend, monkeypatch):
-    """Each backend's user op with the vocabulary cut into slices of 16 columns (the last one narrower, the first one's
-    logits kept from the forward, the others recomputed) against the float64 formula: values and the gradients of
-    random upstreams on both outputs. dW comes one GEMM per slice, so it is as close as the one-slice op's."""
-    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "16")
-    rows, hidden = 6, 8
+    """Each backend's user op with the vocabulary cut into slices of 16 columns (the last one narrower, the first
+    ones' logits kept from the forward, the others recomputed) against the float64 formula: values and the gradients
+    of random upstreams on both outputs. dW comes one GEMM per slice, so it is as close as the one-slice op's."""
+    rows, hidden = 8, 4  # more rows than hidden: a slice's logits are larger than its dW, not all fit
+    keep_some_slices(monkeypatch, rows, hidden, V, torch.float32, 16)
     x, w, b = (torch.randn(*shape, device=DEVICE) for shape in ((rows, hidden), (V, hidden), (V,)))
     target = random_targets(rows, V, ignored=(2,))
     g, h = upstream(rows, "dense"), upstream(rows, "dense")
@@ -420,3 +424,46 @@ def _probe_calls():
 
 if __name__ == "__main__":
     sys.exit(_probe_calls())
+
+
+@pytest.mark.parametrize("rows, hidden, vocab, dtype, weight_dtype, budget_mb, columns", [
+    (4096, 4096, 128256, torch.bfloat16, torch.bfloat16, None, None),
+    (16384, 4096, 128256, torch.bfloat16, torch.bfloat16, None, None),
+    (8192, 4096, 128256, torch.float16, torch.float16, None, None),  # fp16: dW in fp32, twice the logits' bytes
+    (1000, 64, 5003, torch.float32, torch.float32, 0.5, 100),
+    (3, 64, 5003, torch.bfloat16, torch.bfloat16, 1e-9, 128),
+    (7, 5, 0, torch.float32, torch.float32, None, None),
+])
+def test_layout_keeps_logits_where_dw_goes_later(rows, hidden, vocab, dtype, weight_dtype, budget_mb, columns,
+                                                monkeypatch):
+    """vocab_chunks.layout: no kept slice overlaps another, the recompute slice or a slice of dW written before it is
+    read (dW's slices 0..j for slice j); the recompute slice lies past dW; the buffer holds dW; with the default
+    budget it stays within dW's size plus the budget, and N <= H in one dtype keeps every slice."""
+    from liger_dispatch.compose import vocab_chunks
+
+    for name, value in (("LIGER_CHUNK_BUDGET_MB", budget_mb), ("LIGER_CHUNK_COLUMNS", columns)):
+        if value is not None:
+            monkeypatch.setenv(name, str(value))
+    x = torch.empty(rows, hidden, dtype=dtype, device="meta")
+    w = torch.empty(vocab, hidden, dtype=weight_dtype, device="meta")
+    plan = vocab_chunks.layout(x, w)
+    grad_size = 4 if weight_dtype == torch.float16 else w.element_size()
+    assert plan.grad_bytes == vocab * hidden * grad_size <= plan.nbytes
+    spans = [(o, o + rows * (e - s) * x.element_size()) for o, (s, e) in zip(plan.offsets, plan.slices)]
+    if len(plan.offsets) < len(plan.slices):
+        widest = max(e - s for s, e in plan.slices)
+        spans.append((plan.recompute, plan.recompute + rows * widest * x.element_size()))
+        assert plan.recompute >= plan.grad_bytes
+    for j, (start, end) in enumerate(spans):
+        assert end <= plan.nbytes and start % vocab_chunks.BYTE_ALIGN == 0
+        assert all(end <= s or e <= start for s, e in spans[:j]), (j, spans)
+        if j < len(plan.offsets):
+            assert start >= plan.slices[j][1] * hidden * grad_size
+    if budget_mb is None:
+        several = len(plan.slices) > 1
+        assert plan.nbytes <= plan.grad_bytes + 512 * 2**20 - (rows * hidden * 4 if several else 0)
+        if rows <= hidden and grad_size == x.element_size():
+            assert len(plan.offsets) == len(plan.slices)
+    covered = sorted(spans + plan.gaps(rows, x.element_size()))
+    assert covered[0][0] == 0 and covered[-1][1] == plan.nbytes or plan.nbytes == 0
+    assert all(a[1] >= b[0] for a, b in zip(covered, covered[1:]))

@@ -13,7 +13,7 @@ from liger_dispatch import dispatch
 from liger_dispatch.errors import SignatureError
 from liger_dispatch.core.table import TABLE
 
-from kernel_checks import assert_rel_close
+from kernel_checks import assert_rel_close, keep_some_slices
 
 N, H, V, HC, C = 6, 16, 40, 4, 8
 LOSSES = {
@@ -131,11 +131,14 @@ def test_opcheck_losses(op):
 @pytest.mark.parametrize("bias", [True, False])
 def test_opcheck_logprobs(bias, monkeypatch):
     """With a bias and without (the dispatcher drops it), all logits kept, and vocabulary slices of 7 columns (the
-    first kept, the others recomputed in the backward); the backward op too."""
+    first ones' logits kept, the others recomputed in the backward: more rows than hidden units); the backward op
+    too."""
     args = logprobs_inputs(bias=bias)
     _opcheck("fused_linear_logprobs", args, dict(temperature=0.7, backend="reference"))
-    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "7")
-    _opcheck("fused_linear_logprobs", args, dict(backend="reference"))
+    narrow = (torch.randn(N, 2, requires_grad=True), torch.randn(V, 2, requires_grad=True), *args[2:])
+    keep_some_slices(monkeypatch, N, 2, V, torch.float32, 7)
+    _opcheck("fused_linear_logprobs", narrow, dict(backend="reference"))
+    args = narrow
     detached = [a.detach() for a in args] + [None] * (4 - len(args))
     _, _, stats, kept = torch.ops.liger_dispatch.fused_linear_logprobs(*detached, temperature=0.7)
     _opcheck("fused_linear_logprobs_backward", (*detached, stats, kept, torch.randn(N), None), dict(temperature=0.7))

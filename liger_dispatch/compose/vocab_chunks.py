@@ -7,14 +7,19 @@ once and rounded once, as an unchunked matmul's would be, where chunks of rows w
 once a chunk (a bf16 error growing with the chunk count, and dW re-read and re-written every chunk). dX sums over
 the slices in fp32. The slices' row statistics combine as the ranks' of a vocab-parallel call do.
 
-Memory: LIGER_CHUNK_BUDGET_MB holds one logits buffer [N, Vc] (LIGER_CHUNK_COLUMNS forces Vc), which the forward
-fills with the first slice last and hands to the backward (that slice's GEMM is not made again; the others are
-recomputed into the same buffer: 2 N H (V - Vc) FLOPs), and, with two slices or more, dX's fp32 accumulator [N, H].
+Memory (`Layout`): the logits the forward keeps for the backward live in the memory dW will take. One byte buffer
+holds dW in its first bytes; the backward writes slice j of dW only after it has read slice j's logits, so slice
+j's logits may lie where the later slices of dW go. The buffer is dW's size plus LIGER_CHUNK_BUDGET_MB (which also
+counts dX's fp32 accumulator when there are several slices): every slice kept when [N, V] fits in it (N <= H in
+the same dtype always fits: one slice's logits are no larger than its dW), else the first slices kept and the
+others recomputed in the backward into a slice beyond dW (2 N H FLOPs a recomputed column). LIGER_CHUNK_COLUMNS
+forces the slice width. The backward's dW is a view of the buffer at offset 0, so the bytes past it (kept slices,
+the recompute slice) stay allocated as long as that gradient does.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -24,32 +29,83 @@ from liger_dispatch.compose import grad_bounds
 from liger_dispatch.compose.fused_linear import grad_dtype, linear_into
 
 COLUMN_ALIGN = 128  # a slice width the GEMMs tile well
+BYTE_ALIGN = 16
+RECOMPUTE_SHARE = 4  # the recompute slice takes at most this fraction of the budget: its width
 
 
-def column_chunks(x: torch.Tensor, vocab: int) -> list[tuple[int, int]]:
-    """The slices [start, end) of the vocabulary for the rows of x, the first one the widest: as few as the budget
-    allows, balanced. With several, dX's fp32 accumulator counts against the budget too."""
+def _aligned(offset: int) -> int:
+    return -(-offset // BYTE_ALIGN) * BYTE_ALIGN
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one call's logits go in its buffer of `nbytes` bytes: slice j ([start, end) of the vocabulary) at byte
+    offsets[j] if kept (j < len(offsets)), else at `recompute`; dW [V, H] in the first `grad_bytes`."""
+
+    slices: tuple[tuple[int, int], ...]
+    offsets: tuple[int, ...]
+    recompute: int
+    grad_bytes: int
+    nbytes: int
+
+    def logits(self, buffer: torch.Tensor, j: int, n_rows: int, dtype: torch.dtype) -> torch.Tensor:
+        start, end = self.slices[j]
+        offset = self.offsets[j] if j < len(self.offsets) else self.recompute
+        size = n_rows * (end - start) * dtype.itemsize
+        return buffer[offset:offset + size].view(dtype).view(n_rows, end - start)
+
+    def gaps(self, n_rows: int, itemsize: int) -> list[tuple[int, int]]:
+        """The byte ranges no logits are written to (zeroed by the forward: the buffer is an output of the op, which
+        must not depend on what memory held before)."""
+        written = [(offset, offset + n_rows * (end - start) * itemsize)
+                   for offset, (start, end) in zip(self.offsets, self.slices)]
+        if len(self.offsets) < len(self.slices):
+            start, end = self.slices[len(self.offsets)]
+            written.append((self.recompute, self.recompute + n_rows * (end - start) * itemsize))
+        gaps, at = [], 0
+        for start, end in sorted(written) + [(self.nbytes, self.nbytes)]:
+            if start > at:
+                gaps.append((at, start))
+            at = max(at, end)
+        return gaps
+
+    def grad_weight(self, buffer: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return buffer[:self.grad_bytes].view(grad_dtype(weight)).view(weight.shape)
+
+
+def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
+    """The layout for the rows x [N, H] and the head weight [V, H] under the current settings (module docstring)."""
+    (n_rows, hidden), vocab = x.shape, weight.shape[0]
+    logit, grad = x.element_size(), grad_dtype(weight).itemsize
+    grad_bytes = vocab * hidden * grad
+    budget = int(settings.CHUNK_BUDGET_MB.get() * 2**20)
     width = settings.CHUNK_COLUMNS.get()
     if not width:
-        budget = settings.CHUNK_BUDGET_MB.get() * 2**20
-        n_rows, bytes_per_logit = x.shape[0], x.element_size()
-        if n_rows * vocab * bytes_per_logit <= budget:
-            return [(0, vocab)]
-        budget -= x.numel() * 4
-        limit = max(COLUMN_ALIGN, int(budget // (n_rows * bytes_per_logit)) // COLUMN_ALIGN * COLUMN_ALIGN)
-        width = math.ceil(math.ceil(vocab / math.ceil(vocab / limit)) / COLUMN_ALIGN) * COLUMN_ALIGN
-    return _slices(vocab, width)
+        width = vocab if n_rows * vocab * logit <= budget else max(
+            COLUMN_ALIGN, budget // RECOMPUTE_SHARE // max(1, n_rows * logit) // COLUMN_ALIGN * COLUMN_ALIGN)
+    slices = tuple(_slices(vocab, width))
+    sizes = [n_rows * (end - start) * logit for start, end in slices]
+    limit = grad_bytes + budget - (n_rows * hidden * 4 if len(slices) > 1 else 0)
+    offsets, end = [], 0
+    for (_, end_column), size in zip(slices, sizes):  # past dW's slices 0..j (written before j is read), past j-1
+        offsets.append(_aligned(max(end_column * hidden * grad, end)))
+        end = offsets[-1] + size
+    if end <= limit:
+        return Layout(slices, tuple(offsets), 0, grad_bytes, max(grad_bytes, end))
+
+    def recompute_at(kept: int) -> int:  # past dW and the kept slices
+        return _aligned(max(grad_bytes, offsets[kept - 1] + sizes[kept - 1] if kept else 0))
+
+    kept = len(offsets)
+    while kept and recompute_at(kept) + sizes[0] > limit:
+        kept -= 1
+    return Layout(slices, tuple(offsets[:kept]), recompute_at(kept), grad_bytes, recompute_at(kept) + sizes[0])
 
 
 def _slices(vocab: int, width: int) -> list[tuple[int, int]]:
     if not vocab:  # an empty vocabulary slice (vocab-parallel): one empty chunk
         return [(0, 0)]
     return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
-
-
-def _slice(buffer: torch.Tensor, columns: int) -> torch.Tensor:
-    """A contiguous [N, columns] view at the start of the buffer's storage (a narrower slice than the first)."""
-    return buffer.view(-1)[: buffer.shape[0] * columns].view(buffer.shape[0], columns)
 
 
 def _rows_of(weight: torch.Tensor, bias: Optional[torch.Tensor], start: int, end: int):
@@ -59,35 +115,41 @@ def _rows_of(weight: torch.Tensor, bias: Optional[torch.Tensor], start: int, end
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             stats_of: Callable[[torch.Tensor, int], torch.Tensor],
             combine: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the row statistics over the whole vocabulary, the first slice's logits, kept for `backward`).
+    """(the row statistics over the whole vocabulary, the buffer `backward` takes: layout(x, weight)).
 
     stats_of(logits [N, end - start], start) -> [N, k]: one slice's statistics; combine([S, N, k]) -> [N, k]."""
-    chunks = column_chunks(x, weight.shape[0])
-    buffer = torch.empty(x.shape[0], chunks[0][1] - chunks[0][0], dtype=x.dtype, device=x.device)
+    plan = layout(x, weight)
+    buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=x.device)
+    for start, end in plan.gaps(x.shape[0], x.element_size()):
+        buffer[start:end].zero_()
     parts = []
-    for start, end in chunks[1:] + chunks[:1]:  # the first slice last: its logits stay in the buffer
-        logits = _slice(buffer, end - start)
+    for j, (start, end) in enumerate(plan.slices):
+        logits = plan.logits(buffer, j, x.shape[0], x.dtype)
         linear_into(x, *_rows_of(weight, bias, start, end), logits)
         parts.append(stats_of(logits, start))
     return (parts[0] if len(parts) == 1 else combine(torch.stack(parts))), buffer
 
 
-def backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: torch.Tensor,
+def backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], buffer: torch.Tensor,
              grad_of: Callable[[torch.Tensor, int], None], *, want_dx: bool, want_dw: bool, want_db: bool,
              unscale: Optional[torch.Tensor] = None):
-    """(dX, dW, db), None where not wanted. grad_of(logits, start) overwrites one slice's logits with the gradient
-    over them (times the fp16 buffer's factor, which `unscale` undoes: grad_bounds.py). The slices are the
-    forward's, read off the kept buffer (the first slice, the widest)."""
-    chunks = _slices(weight.shape[0], kept.shape[1])
-    several = len(chunks) > 1
+    """(dX, dW, db), None where not wanted; dW is a view of `buffer` (the forward's). grad_of(logits, start)
+    overwrites one slice's logits with the gradient over them (times the fp16 buffer's factor, which `unscale`
+    undoes: grad_bounds.py)."""
+    plan = layout(x, weight)
+    if buffer.numel() != plan.nbytes:
+        raise RuntimeError("liger_dispatch: LIGER_CHUNK_BUDGET_MB or LIGER_CHUNK_COLUMNS changed between the forward "
+                           f"and the backward of one call (its buffer holds {buffer.numel()} bytes, the settings now "
+                           f"lay out {plan.nbytes})")
+    several = len(plan.slices) > 1
     dx = (torch.zeros(x.shape, dtype=grad_bounds.wide(x), device=x.device) if several else torch.empty_like(x)
           ) if want_dx else None
-    dw = torch.empty_like(weight, dtype=grad_dtype(weight)) if want_dw else None
+    dw = plan.grad_weight(buffer, weight) if want_dw else None
     db = torch.empty(weight.shape[0], dtype=grad_bounds.wide(x), device=x.device) if want_db else None
-    for i, (start, end) in enumerate(chunks):
+    for j, (start, end) in enumerate(plan.slices):
         w_c, b_c = _rows_of(weight, bias, start, end)
-        logits = kept if i == 0 else _slice(kept, end - start)
-        if i:
+        logits = plan.logits(buffer, j, x.shape[0], x.dtype)
+        if j >= len(plan.offsets):
             linear_into(x, w_c, b_c, logits)
         grad_of(logits, start)
         if dx is not None:

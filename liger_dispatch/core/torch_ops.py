@@ -492,9 +492,10 @@ def _define_with_backward(spec: OpSpec) -> None:
         pinned = selection.parse_backends(backend)
         fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
                                     spec.schema.bind(tensors, options), pinned)
-        args = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
-        grads = fn.backward(*args, **options)
-        # an input left out (None) gets an empty tensor: a torch op returns tensors
+        copies = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
+        grads = fn.backward(*copies, **options)
+        # an input left out (None) gets an empty tensor: a torch op returns tensors; a gradient may be a view of
+        # a copy made here (vocab_chunks' dW), which no input aliases
         return _unaliased(tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads)), args)
 
     def backward_fake(*args, backend=None, **options):
