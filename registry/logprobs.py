@@ -172,9 +172,11 @@ class FusedLinearLogProbs:
         valid = target != ignore_index
         return torch.where(valid, z_target - lse, 0.0), torch.where(valid, lse - mean, 0.0), stats, buffer
 
-    def backward(self, input, weight, target, bias, stats, buffer, grad_logprobs, grad_entropy, *, temperature=1.0,
-                 ignore_index=-100, accum_dtype=None, process_group=None):
-        """-> (grad_input [..., H], grad_weight [V, H], grad_bias [V] or None)."""
+    def backward(self, input, weight, target, bias, stats, buffer, grad_logprobs, grad_entropy, *,
+                 need_grads=(True, True, True), temperature=1.0, ignore_index=-100, accum_dtype=None,
+                 process_group=None):
+        """-> (grad_input [..., H], grad_weight [V, H], grad_bias [V]), None where need_grads (one per input, weight,
+        bias) says no or bias is None: a frozen head costs no dW GEMMs (2 N H V FLOPs)."""
         x, labels = fl.flat(input, input.shape[-1]), fl.flat(target).long()
         g, h = (None if t is None else fl.flat(t).to(stats.dtype).contiguous() for t in (grad_logprobs, grad_entropy))
         unscale = None
@@ -190,11 +192,14 @@ class FusedLinearLogProbs:
         def grad_of(logits, start):
             self.grad(logits, labels, stats, g, h, **self._options(start, temperature, ignore_index))
 
-        dx, dw, db = vocab_chunks.backward(x, weight, bias, buffer, grad_of, want_dx=True, want_dw=True,
-                                           want_db=bias is not None, unscale=unscale)
-        if self.shard is not None:
-            self.shard.sum_over_ranks(dx)
-        return dx.view(input.shape), dw, None if db is None else db.to(fl.grad_dtype(bias))
+        want_dx, want_dw, want_db = need_grads
+        dx, dw, db = vocab_chunks.backward(x, weight, bias, buffer, grad_of, want_dx=want_dx, want_dw=want_dw,
+                                           want_db=want_db and bias is not None, unscale=unscale)
+        if dx is not None:
+            if self.shard is not None:
+                self.shard.sum_over_ranks(dx)
+            dx = dx.view(input.shape)
+        return dx, dw, None if db is None else db.to(fl.grad_dtype(bias))
 
 
 def grad_bound(x, weight, bias, g, h, *, temperature):

@@ -149,8 +149,10 @@ class MHCCoeffs:
         return _shaped(h_pre, (*lead, hc)), _shaped(h_post, (*lead, hc)), _shaped(h_res, (*lead, hc, hc)), mix, rstd
 
     def backward(self, x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_pre, grad_post, grad_res, *,
-                 tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
-        """-> (grad_x [..., HC, C], grad_phi, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res)."""
+                 need_grads, tmax, rms_eps, pre_eps, sinkhorn_eps, post_mult):
+        """-> (grad_x [..., HC, C], grad_phi, grad_b, grad_alpha_pre, grad_alpha_post, grad_alpha_res): all six
+        whatever need_grads says, as the backward kernel makes them in one pass (the small ones are a byproduct of
+        grad_x's)."""
         m, hc = mix.shape[0], x.shape[-2]
         grad_x, *grads = self.bwd(
             _rows(x), phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd,

@@ -66,9 +66,10 @@ def check_rows_relative(loss, grad, expected_loss, expected_grad, tol=5e-3):
     assert (err <= tol * expected_grad.norm(dim=1)).all(), err.max()
 
 
-def keep_some_slices(monkeypatch, rows, hidden, vocab, dtype, columns):
-    """Set LIGER_CHUNK_COLUMNS and a LIGER_CHUNK_BUDGET_MB under which the vocabulary-chunk layout keeps
-    some slices' logits from the forward and recomputes the others in the backward (compose/vocab_chunks.py)."""
+def keep_some_slices(monkeypatch, rows, hidden, vocab, dtype, columns, every=False):
+    """Set LIGER_CHUNK_COLUMNS and a LIGER_CHUNK_BUDGET_MB under which the vocabulary-chunk layout keeps the logits in
+    dW's memory, some slices' (or, `every`, all) from the forward and the others recomputed in the backward
+    (compose/vocab_chunks.py)."""
     from liger_dispatch.compose import vocab_chunks
 
     monkeypatch.setenv("LIGER_CHUNK_COLUMNS", str(columns))
@@ -77,7 +78,9 @@ def keep_some_slices(monkeypatch, rows, hidden, vocab, dtype, columns):
     while nbytes < 1 << 30:
         monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", repr(nbytes / 2**20))
         plan = vocab_chunks.layout(x, w)
-        if 0 < len(plan.offsets) < len(plan.slices):
+        kept = len(plan.offsets)
+        if plan.grad_bytes and (kept == len(plan.slices) if every else 0 < kept < len(plan.slices)):
             return plan
-        nbytes = nbytes * 5 // 4 + 16
-    raise AssertionError(f"no budget keeps only some of {columns}-column slices of [{rows}, {vocab}]")
+        nbytes += max(8, nbytes // 64)
+    raise AssertionError(f"no budget keeps {'all' if every else 'only some'} of the {columns}-column slices of "
+                         f"[{rows}, {vocab}] in dW's memory")

@@ -255,16 +255,16 @@ def test_logprobs_rows_gradcheck():
     torch.testing.assert_close(ent[[0, 2, 3]], -(p * p.log()).sum(-1)[[0, 2, 3]])
 
 
-@pytest.mark.parametrize("slices", ["all kept", "some kept", "none kept", "one"])
+@pytest.mark.parametrize("slices", ["all kept", "all kept in dW", "some kept", "none kept", "one"])
 def test_user_op_reference_float64_is_the_spec(slices, monkeypatch):
     """fused_linear_logprobs on the reference kernels in float64 (3 vocabulary columns a slice, the last one
-    narrower: every slice's logits kept from the forward, only the first ones, or none, the others recomputed in the
-    backward; or one slice) against formulas.logprobs_rows on the logits (gradchecked above): values, and the
+    narrower: every slice's logits kept from the forward, in a buffer of their own or in dW's memory, only the first
+    ones, or none, the others recomputed in the backward; or one slice) against formulas.logprobs_rows on the logits (gradchecked above): values, and the
     gradients of random upstreams on both outputs and on each alone, to float64 rounding. Its backward overwrites
     the logits it kept, so a second backward through one call (what gradcheck does) is refused."""
     monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "64" if slices == "one" else "3")
-    if slices == "some kept":
-        keep_some_slices(monkeypatch, 5, 4, 7, torch.float64, 3)
+    if slices in ("some kept", "all kept in dW"):
+        keep_some_slices(monkeypatch, 5, 4, 7, torch.float64, 3, every=slices == "all kept in dW")
     elif slices == "none kept":
         monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", "1e-9")
     op = dispatch.op("fused_linear_logprobs", backend="reference")
@@ -433,12 +433,15 @@ if __name__ == "__main__":
     (1000, 64, 5003, torch.float32, torch.float32, 0.5, 100),
     (3, 64, 5003, torch.bfloat16, torch.bfloat16, 1e-9, 128),
     (7, 5, 0, torch.float32, torch.float32, None, None),
+    (2048, 4096, 128256, torch.bfloat16, torch.bfloat16, None, None),  # fits the budget alone: a buffer of its own
+    (64, 64, 5003, torch.float32, torch.float32, None, 128),
 ])
 def test_layout_keeps_logits_where_dw_goes_later(rows, hidden, vocab, dtype, weight_dtype, budget_mb, columns,
                                                 monkeypatch):
     """vocab_chunks.layout: no kept slice overlaps another, the recompute slice or a slice of dW written before it is
-    read (dW's slices 0..j for slice j); the recompute slice lies past dW; the buffer holds dW; with the default
-    budget it stays within dW's size plus the budget, and N <= H in one dtype keeps every slice."""
+    read (dW's slices 0..j for slice j); the recompute slice lies past dW; the buffer holds dW unless the logits
+    alone fit the budget; with the default budget it stays within dW's size plus the budget, and N <= H in one
+    dtype keeps every slice."""
     from liger_dispatch.compose import vocab_chunks
 
     for name, value in (("LIGER_CHUNK_BUDGET_MB", budget_mb), ("LIGER_CHUNK_COLUMNS", columns)):
@@ -448,7 +451,9 @@ def test_layout_keeps_logits_where_dw_goes_later(rows, hidden, vocab, dtype, wei
     w = torch.empty(vocab, hidden, dtype=weight_dtype, device="meta")
     plan = vocab_chunks.layout(x, w)
     grad_size = 4 if weight_dtype == torch.float16 else w.element_size()
-    assert plan.grad_bytes == vocab * hidden * grad_size <= plan.nbytes
+    logits_bytes = rows * vocab * x.element_size()
+    shared = logits_bytes > (512 * 2**20 if budget_mb is None else budget_mb * 2**20)
+    assert plan.grad_bytes == (vocab * hidden * grad_size if shared else 0) <= plan.nbytes
     spans = [(o, o + rows * (e - s) * x.element_size()) for o, (s, e) in zip(plan.offsets, plan.slices)]
     if len(plan.offsets) < len(plan.slices):
         widest = max(e - s for s, e in plan.slices)
@@ -457,13 +462,40 @@ def test_layout_keeps_logits_where_dw_goes_later(rows, hidden, vocab, dtype, wei
     for j, (start, end) in enumerate(spans):
         assert end <= plan.nbytes and start % vocab_chunks.BYTE_ALIGN == 0
         assert all(end <= s or e <= start for s, e in spans[:j]), (j, spans)
-        if j < len(plan.offsets):
+        if j < len(plan.offsets) and shared:
             assert start >= plan.slices[j][1] * hidden * grad_size
     if budget_mb is None:
         several = len(plan.slices) > 1
-        assert plan.nbytes <= plan.grad_bytes + 512 * 2**20 - (rows * hidden * 4 if several else 0)
+        assert plan.nbytes <= plan.grad_bytes + 512 * 2**20 - (rows * hidden * 4 if several and shared else 0)
         if rows <= hidden and grad_size == x.element_size():
             assert len(plan.offsets) == len(plan.slices)
     covered = sorted(spans + plan.gaps(rows, x.element_size()))
     assert covered[0][0] == 0 and covered[-1][1] == plan.nbytes or plan.nbytes == 0
     assert all(a[1] >= b[0] for a, b in zip(covered, covered[1:]))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_frozen_head_makes_no_weight_gradient(compiled, monkeypatch):
+    """A head that needs no gradient (LoRA, a frozen LM head): input's gradient as with a trained head, none for the
+    weight, and none of the backward's GEMMs writes a dW slice (its 2 N H V FLOPs), in eager and compiled code."""
+    from liger_dispatch.compose import vocab_chunks
+
+    written = []
+    mm = vocab_chunks._mm_into
+    monkeypatch.setattr(vocab_chunks, "_mm_into", lambda a, b, out, **kw: (written.append(tuple(out.shape)),
+                                                                            mm(a, b, out, **kw)))
+    x, w = torch.randn(6, 8, device=DEVICE), torch.randn(V, 8, device=DEVICE)
+    target = random_targets(6, V)
+    g, h = upstream(6, "dense"), upstream(6, "dense")
+    op = dispatch.op("fused_linear_logprobs", backend="reference")
+    fn = torch.compile(op, fullgraph=True) if compiled else op
+    grads = []
+    for frozen in (False, True):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(not frozen)]
+        written.clear()
+        lp, ent = fn(*leaves, target)
+        ((lp * g).sum() + (ent * h).sum()).backward()
+        grads.append(leaves[0].grad)
+        assert (leaves[1].grad is None) == frozen
+    assert written and all(shape == (6, 8) for shape in written), written
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)

@@ -141,7 +141,9 @@ def test_opcheck_logprobs(bias, monkeypatch):
     args = narrow
     detached = [a.detach() for a in args] + [None] * (4 - len(args))
     _, _, stats, kept = torch.ops.liger_dispatch.fused_linear_logprobs(*detached, temperature=0.7)
-    _opcheck("fused_linear_logprobs_backward", (*detached, stats, kept, torch.randn(N), None), dict(temperature=0.7))
+    for need in ([True, True, True], [True, False, False]):  # a frozen head: no dW, no db
+        _opcheck("fused_linear_logprobs_backward", (*detached, stats, kept, torch.randn(N), None),
+                 dict(temperature=0.7, need_grads=need))
 
 
 def test_opcheck_kernel_level_ops():
@@ -172,7 +174,7 @@ def test_backward_op_outputs_are_aligned_and_unaliased(backend):
     *coeffs, mix, rstd = torch.ops.liger_dispatch.mhc_coeffs(x, phi, b, *alphas, tmax=3, backend=backend)
     upstream = [torch.randn_like(c) for c in coeffs]
     grads = torch.ops.liger_dispatch.mhc_coeffs_backward(x, phi, b, *alphas, mix, rstd, *upstream, tmax=3,
-                                                         backend=backend)
+                                                         need_grads=[True] * 6, backend=backend)
     assert [g.data_ptr() % 16 for g in grads] == [0] * len(grads)
     assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
 

@@ -7,14 +7,14 @@ once and rounded once, as an unchunked matmul's would be, where chunks of rows w
 once a chunk (a bf16 error growing with the chunk count, and dW re-read and re-written every chunk). dX sums over
 the slices in fp32. The slices' row statistics combine as the ranks' of a vocab-parallel call do.
 
-Memory (`Layout`): the logits the forward keeps for the backward live in the memory dW will take. One byte buffer
-holds dW in its first bytes; the backward writes slice j of dW only after it has read slice j's logits, so slice
-j's logits may lie where the later slices of dW go. The buffer is dW's size plus LIGER_CHUNK_BUDGET_MB (which also
-counts dX's fp32 accumulator when there are several slices): every slice kept when [N, V] fits in it (N <= H in
-the same dtype always fits: one slice's logits are no larger than its dW), else the first slices kept and the
-others recomputed in the backward into a slice beyond dW (2 N H FLOPs a recomputed column). LIGER_CHUNK_COLUMNS
-forces the slice width. The backward's dW is a view of the buffer at offset 0, so the bytes past it (kept slices,
-the recompute slice) stay allocated as long as that gradient does.
+Memory (`Layout`): when [N, V] fits in LIGER_CHUNK_BUDGET_MB it is kept whole, in a buffer of its own. Beyond it,
+the logits the forward keeps for the backward live in the memory dW will take: one byte buffer holds dW in its
+first bytes, and since the backward writes slice j of dW only after it has read slice j's logits, those may lie
+where the later slices of dW go. That buffer is dW's size plus the budget (which then also counts dX's fp32
+accumulator): every slice kept when they fit (N <= H in one dtype always does: a slice's logits are no larger than
+its dW), else the first slices kept and the others recomputed in the backward into a slice past dW (2 N H FLOPs a
+recomputed column). LIGER_CHUNK_COLUMNS forces the slice width. The backward's dW is then a view of the buffer at
+offset 0, so the bytes past it (kept slices, the recompute slice) stay allocated as long as that gradient does.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def _aligned(offset: int) -> int:
 @dataclass(frozen=True)
 class Layout:
     """Where one call's logits go in its buffer of `nbytes` bytes: slice j ([start, end) of the vocabulary) at byte
-    offsets[j] if kept (j < len(offsets)), else at `recompute`; dW [V, H] in the first `grad_bytes`."""
+    offsets[j] if kept (j < len(offsets)), else at `recompute`; dW [V, H] in the first `grad_bytes` (none: dW is
+    not in the buffer)."""
 
     slices: tuple[tuple[int, int], ...]
     offsets: tuple[int, ...]
@@ -70,6 +71,8 @@ class Layout:
         return gaps
 
     def grad_weight(self, buffer: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.grad_bytes:
+            return torch.empty_like(weight, dtype=grad_dtype(weight))
         return buffer[:self.grad_bytes].view(grad_dtype(weight)).view(weight.shape)
 
 
@@ -85,6 +88,11 @@ def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
             COLUMN_ALIGN, budget // RECOMPUTE_SHARE // max(1, n_rows * logit) // COLUMN_ALIGN * COLUMN_ALIGN)
     slices = tuple(_slices(vocab, width))
     sizes = [n_rows * (end - start) * logit for start, end in slices]
+    if sum(sizes) <= budget:  # the logits alone fit: kept in a buffer of their own, dW made in the backward
+        offsets = [0]
+        for size in sizes[:-1]:
+            offsets.append(offsets[-1] + _aligned(size))
+        return Layout(slices, tuple(offsets), 0, 0, offsets[-1] + sizes[-1])
     limit = grad_bytes + budget - (n_rows * hidden * 4 if len(slices) > 1 else 0)
     offsets, end = [], 0
     for (_, end_column), size in zip(slices, sizes):  # past dW's slices 0..j (written before j is read), past j-1

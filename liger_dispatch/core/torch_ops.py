@@ -119,7 +119,8 @@ class _WithBackward(torch.autograd.Function):
                                    "cannot be backpropagated twice (retain_graph=True); call the op again instead")
             ctx.done = True
         result = [None] * (len(ctx.needs_input_grad) - 6)  # one per input tensor
-        for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, **ctx.options)):
+        need = tuple(ctx.needs_input_grad[6 + i] for i in ctx.where)
+        for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, need_grads=need, **ctx.options)):
             result[i] = g
         return None, None, None, None, None, None, *result
 
@@ -443,8 +444,9 @@ def _differentiable_places(spec: OpSpec) -> list[int]:
 
 
 def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out (None)."""
-    if input is None:
+    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out (None) or one whose
+    gradient was not asked for (grad None)."""
+    if input is None or grad is None:
         return like.new_empty(0)
     return grad.reshape(input.shape).to(input.dtype)
 
@@ -480,26 +482,29 @@ def _define_with_backward(spec: OpSpec) -> None:
     own_positional = [p.partition("=")[0].strip() for p in own_positional]  # the backward's come before the saved
     _LIB.define(_torch_schema(spec, "(" + ", ".join(["Tensor"] * (outputs + len(saved))) + ")"))
     grads = [f"Tensor? grad_{i}" for i in range(outputs)]
-    _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads], [*keyword, "str? backend=None"],
+    _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads],
+                           [*keyword, "bool[] need_grads", "str? backend=None"],
                            "(" + ", ".join(["Tensor"] * len(spec.differentiable)) + ")"))
 
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
     where = _differentiable_places(spec)
 
-    def backward_impl(*args, backend=None, **options):
+    def backward_impl(*args, need_grads, backend=None, **options):
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
         pinned = selection.parse_backends(backend)
         fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
                                     spec.schema.bind(tensors, options), pinned)
         copies = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
-        grads = fn.backward(*copies, **options)
-        # an input left out (None) gets an empty tensor: a torch op returns tensors; a gradient may be a view of
-        # a copy made here (vocab_chunks' dW), which no input aliases
-        return _unaliased(tuple(_grad_or_empty(g, tensors[i], args[0]) for i, g in zip(where, grads)), args)
+        grads = fn.backward(*copies, need_grads=tuple(need_grads), **options)
+        # an input left out (None) or not needing a gradient gets an empty tensor: a torch op returns tensors; a
+        # gradient may be a view of a copy made here (vocab_chunks' dW), which no input aliases
+        return _unaliased(tuple(_grad_or_empty(g if w else None, tensors[i], args[0])
+                                for i, g, w in zip(where, grads, need_grads)), args)
 
-    def backward_fake(*args, backend=None, **options):
-        return tuple(args[0].new_empty(0) if args[i] is None else torch.empty_like(args[i]) for i in where)
+    def backward_fake(*args, need_grads, backend=None, **options):
+        return tuple(args[0].new_empty(0) if args[i] is None or not w else torch.empty_like(args[i])
+                     for i, w in zip(where, need_grads))
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         ctx.save_for_backward(*inputs, *output[outputs:])
@@ -510,11 +515,13 @@ def _define_with_backward(spec: OpSpec) -> None:
     def backward(ctx, *grad_outputs):
         once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
         saved = ctx.saved_tensors
-        grads = getattr(torch.ops.liger_dispatch, backward_name)(*saved, *grad_outputs[:outputs], **ctx.keywords)
-        result = [None] * len(positional)
-        for i, g in zip(where, grads):
-            result[i] = g if saved[i] is not None else None  # an input left out (bias=None) got an empty tensor
         # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
+        need = [i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i] for i in where]
+        grads = getattr(torch.ops.liger_dispatch, backward_name)(*saved, *grad_outputs[:outputs], need_grads=need,
+                                                                 **ctx.keywords)
+        result = [None] * len(positional)
+        for i, g, w in zip(where, grads, need):
+            result[i] = g if w and saved[i] is not None else None  # one left out (bias=None) got an empty tensor
         return tuple(result[: len(ctx.needs_input_grad)])
 
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
