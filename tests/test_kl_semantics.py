@@ -183,9 +183,21 @@ def rounded_like_kernel(exact, dtype, backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_unnormalized_log_target_within_twice_torch_error(backend, dtype):
-    C, Vp = 32, 128
-    student = (torch.randn(C, Vp) * 2).to(dtype)
-    target = torch.randn(C, Vp) * 3  # q = e^target up to ~e^12; each row sums to ~10^4, not 1
+    check_unnormalized_log_target(backend, dtype, "cpu", rows=32, vocab=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "cutedsl", "helion"])
+def test_gpu_kernel_unnormalized_log_target_within_twice_torch_error(backend, dtype):
+    """The same on the GPU's compiled kernels, at a vocabulary that is a multiple of no block size."""
+    check_unnormalized_log_target(backend, dtype, "cuda", rows=64, vocab=32003)
+
+
+def check_unnormalized_log_target(backend, dtype, device, *, rows, vocab):
+    C, Vp = rows, vocab
+    student = (torch.randn(C, Vp, device=device) * 2).to(dtype)
+    target = torch.randn(C, Vp, device=device) * 3  # q = e^target up to ~e^12; each row sums to ~10^4, not 1
     exact_loss, exact_grad = torch_rows(student.double(), target.double(), log_target=True, temperature=0.9)
     torch_loss, torch_grad = torch_rows(student, target, log_target=True, temperature=0.9)
     loss, grad = kernel_rows(backend, student, target, log_target=True, temperature=0.9)
