@@ -22,6 +22,9 @@ mhc_coeffs (B=4, HC=4, T x C = 512 x 1024 and 2048 x 4096), forward and torch.au
   target     eager <= gpu + 40 us
   provider "floor" stands the kernels in by ops that only allocate their outputs: dispatch, autograd and
   allocations alone; then every backend that serves mhc_coeffs here.
+flce at N=8, H=64, V=256 (evaluation and RL scoring loops call the op at such sizes), auto ("ours") and every
+backend against torch.nn.functional.cross_entropy(x @ w.T, y): --calls calls back to back, per call (best of
+three), fwd+bwd (gradients set to None in each) and a no_grad forward; target: both <= 2x torch's.
 A backend registered here ("noop", "floor") lasts for the process: run this script on its own.
 """
 
@@ -50,6 +53,8 @@ MHC_POINTS = ((512, 1024), (2048, 4096))
 QUICK_LOSS_DIMS = (("N", 16), ("H", 32), ("V", 100))
 QUICK_MHC_POINTS = ((8, 16),)
 GPU_BACKENDS = ("triton", "cutedsl", "helion")
+TINY_DIMS = (("N", 8), ("H", 64), ("V", 256))
+TARGET_TINY_RATIO = 2.0
 TARGET_EXTRA_US = 10.0
 TARGET_MHC_US = 40.0
 
@@ -181,6 +186,43 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
     return rows
 
 
+def tiny_rows(device: torch.device, calls: int, asked: Optional[list[str]]) -> list[dict]:
+    """flce at a tiny shape (small-batch evaluation, RL scoring loops) against torch's own cross-entropy on the
+    logits: fwd+bwd and a no_grad forward, back to back."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n, hidden, vocab = (v for _, v in TINY_DIMS)
+    x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, vocab, (n,), device=device)
+    providers = {"torch": lambda: torch.nn.functional.cross_entropy((x @ w.T).float(), y),
+                 "ours": dispatch.op("flce")}
+    providers.update((b, dispatch.op("flce", backend=b)) for b in _serving("flce", device, dtype, asked)
+                     if b != "noop")
+    rows, base = [], {}
+    for name, fn in providers.items():
+        call = fn if name == "torch" else (lambda fn=fn: fn(x, w, y))
+
+        def step():
+            x.grad = w.grad = None  # as zero_grad(set_to_none=True)
+            call().backward()
+
+        def no_grad():
+            with torch.no_grad():
+                call()
+
+        step()
+        no_grad()
+        times = {"fwd+bwd us": timing.wall_us(step, device, calls), "no_grad us": timing.wall_us(no_grad, device, calls)}
+        base = base or times
+        ratios = {k: v / base[k] for k, v in times.items()}
+        rows.append({"provider": name, **{k: _fmt(v) for k, v in times.items()},
+                     **{f"{k[:-3]} x torch": f"{r:.2f}x" for k, r in ratios.items()},
+                     "target": "" if name == "torch" else
+                     "meets" if max(ratios.values()) <= TARGET_TINY_RATIO else "misses"})
+    return rows
+
+
+TINY_COLUMNS = ("provider", "fwd+bwd us", "no_grad us", "fwd+bwd x torch", "no_grad x torch", "target")
 LOSS_COLUMNS = ("op", "provider", "handle us", "step us", "impl us", "extra us", "wall us", "graph us", "gpu us", "launches",
                 "target")
 MHC_COLUMNS = ("T x C", "provider", "eager us", "graph us", "gpu us", "host us", "launches", "target")
@@ -213,7 +255,9 @@ def main(argv: list[str]) -> int:
                  f"## Loss ops ({', '.join(f'{k}={v}' for k, v in loss_dims)})", "",
                  *table(LOSS_COLUMNS, loss_rows(device, loss_dims, calls, args.backends)), "",
                  "## mhc_coeffs forward + backward (B=4, HC=4)", "",
-                 *table(MHC_COLUMNS, mhc_rows(device, points, calls, args.backends))]
+                 *table(MHC_COLUMNS, mhc_rows(device, points, calls, args.backends)), "",
+                 f"## flce at a tiny shape ({', '.join(f'{k}={v}' for k, v in TINY_DIMS)}), back to back", "",
+                 *table(TINY_COLUMNS, tiny_rows(device, calls, args.backends))]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from benchmarks import report, vocab_parallel
 from benchmarks.shapes import OPS
 
@@ -70,7 +72,7 @@ def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
 
 def test_host_cost_runs_on_the_cpu(tmp_path):
     """host-cost through the harness's entry point, end to end at its quick shapes: a row per loss op and provider,
-    and mHC's rows."""
+    mHC's rows, and the tiny-shape flce rows beside torch's cross-entropy."""
     out = tmp_path / "host_cost.md"
     command = [sys.executable, "-m", "benchmarks.run", "host-cost", "--device", "cpu", "--quick", "--backends",
                "reference", "--out", str(out)]
@@ -80,6 +82,7 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"):
         assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
     assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
+    assert "| torch |" in text and "| 1.00x | 1.00x |  |" in text and "| ours |" in text
 
 
 def test_triton_loss_kernel_cases_match_the_formulas():
@@ -107,3 +110,15 @@ def test_every_measurement_is_a_subcommand_of_the_harness():
     for name, (module, _) in run.TOOLS.items():
         main = importlib.import_module(module).main
         assert list(inspect.signature(main).parameters) == ["argv"], name
+
+
+def test_kernel_times_groups_by_name_in_launch_order():
+    """kernel-times sums a step's kernels by name, first launch first; on the CPU it says there is no profile."""
+    from benchmarks import kernel_times
+
+    events = [("gemm", 5.0), ("loss", 1.0), ("gemm", 3.0), ("memset", 0.5)]
+    assert kernel_times.grouped(events) == [("gemm", 2, 8.0), ("loss", 1, 1.0), ("memset", 1, 0.5)]
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, "-m", "benchmarks.run", "kernel-times", "--shape", "tiny", "--n", "16"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
