@@ -4,10 +4,10 @@
     result = lt.verify("mine")            # every op "mine" registers, and every user-level op it then serves
     print(result.table()); assert result.passed, result.failures
 
-    python -m liger_dispatch verify --backend mine --import mylib.kernels [--device cuda] [--ops flce ...]
+    python -m liger_dispatch verify --backend mine --import mylib.kernels [--device cuda] [--ops OP ...]
 
 For each op the backend serves, four checks, each a row of the result:
-- conformance: the op's cases (CASES below: fresh random inputs, V not a multiple of any block, a single row, all
+- conformance: the op's cases (CASES: fresh random inputs, V not a multiple of any block, a single row, all
   rows ignored, beta in {0, 0.5, 1}, T != 1, non-contiguous inputs, every reduction, empty batches, fp16 inputs
   whose gradients pass fp16's range) against the float64 reference formulas (backends/reference/formulas.py), as
   the relative Frobenius error of every output and gradient. A kernel-level op without cases of its own is
@@ -19,9 +19,9 @@ For each op the backend serves, four checks, each a row of the result:
 - cuda graph (CUDA only): a capture of the same call, forward and backward, replayed, equal to eager.
 Everything runs under LIGER_STRICT=1, so a call the backend cannot serve is a failure, not a silent fallback.
 
-tests/test_conformance.py drives the same cases over the in-tree backends: one source of truth. The op-specific
-part is the table at the end of this module (CASES, KERNEL_SAMPLES); it belongs in the op family modules in
-registry/ and moves there once they are free to edit.
+tests/test_conformance.py drives the same cases over the in-tree backends: one source of truth. Each op family
+module in registry/ declares its ops' cases and samples (CASES, SAMPLES, made of registry/cases.py's pieces);
+CASES and KERNEL_SAMPLES here are all of them, by op.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from liger_dispatch import dispatch
+from liger_dispatch import dispatch, registry
 from liger_dispatch.backends.reference import formulas
 from liger_dispatch.core.table import TABLE
-from liger_dispatch.errors import InputError, LigerDispatchError, UnknownBackendError
+from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
+from liger_dispatch.registry.cases import Case, Inputs, leaf
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 # relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
 # gradients amplify that rounding
@@ -100,10 +100,6 @@ def worst(measurements: Sequence[Measurement]) -> Measurement:
     if failing:
         return failing[0]
     return max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
-
-
-def leaf(t: torch.Tensor, grad=True) -> torch.Tensor:
-    return t.detach().clone().requires_grad_(grad)
 
 
 def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None,
@@ -167,50 +163,6 @@ def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
 # ---------------------------------------------------------------- inputs
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """Makers of a case's random inputs on one device and dtype, and the shapes of that device's cases."""
-
-    device: torch.device
-    dtype: torch.dtype
-    N: int
-    H: int
-    V: int
-    mhc_shapes: tuple
-
-    def randn(self, *shape, dtype=None, scale=1.0):
-        dtype = self.dtype if dtype is None else dtype
-        return torch.randn(*shape, device=self.device, dtype=torch.float32).mul_(scale).to(dtype)
-
-    def weight(self, vocab=None, hidden=None, dtype=None, scale=1.0):
-        """A [vocab, hidden] head whose logits are ~scale."""
-        hidden = self.H if hidden is None else hidden
-        return self.randn(self.V if vocab is None else vocab, hidden, dtype=dtype, scale=scale * hidden ** -0.5)
-
-    def labels(self, n, vocab=None, ignored=(), all_ignored=False):
-        y = torch.randint(0, self.V if vocab is None else vocab, (n,), device=self.device)
-        if all_ignored:
-            y.fill_(-100)
-        for i in ignored:
-            y[i] = -100
-        return y
-
-    def kl_target(self, n, log_target, zeros, dtype=torch.float32):
-        probs = torch.softmax(self.randn(n, self.V, dtype=torch.float32, scale=2.0), dim=-1)
-        if zeros:
-            probs[:, ::5] = 0
-            probs = probs / probs.sum(-1, keepdim=True)
-        return (probs.clamp_min(1e-30).log() if log_target else probs).to(dtype)
-
-    def scalar(self, value):
-        return torch.tensor(value, device=self.device)
-
-
-def non_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The same values in a transposed storage: stride(-1) != 1."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 def shapes(device) -> dict:
     """The cases' sizes: tiny on the CPU (Triton and Helion kernels run in the interpreter there), real on a GPU;
     V is a prime, a multiple of no block size."""
@@ -226,36 +178,19 @@ def inputs_for(device, dtype) -> Inputs:
 # ---------------------------------------------------------------- cases
 
 
-@dataclass(frozen=True)
-class Case:
-    """One conformance case of a user-level op.
+def _by_op(table: str) -> dict:
+    """Every op family's `table` (CASES or SAMPLES), by op; an op's entry is its own family's alone."""
+    merged = {}
+    for family in registry.FAMILIES:
+        own = getattr(family, table, {})
+        if merged.keys() & own.keys():
+            raise RegistrationError(f"{family.__name__}.{table} declares {sorted(merged.keys() & own.keys())} again")
+        merged.update(own)
+    return merged
 
-    build(inputs) -> (the op's tensor arguments by name, in schema order; its keyword options).
-    grads: the arguments whose gradients are compared. kind: "reference" (compared with the float64 formulas) or
-    "empty" (zero rows: zero loss and gradients). dtypes: where it runs; None is every dtype on a GPU and float32
-    on the CPU, plus bf16 and fp16 there when `smoke` (the interpreter is slow). extra_dtypes are added to those.
-    """
 
-    name: str
-    build: Callable[[Inputs], tuple[dict, dict]]
-    grads: tuple[str, ...] = ()
-    upstream: float = 0.7
-    kind: str = "reference"
-    smoke: bool = False
-    dtypes: Optional[tuple] = None
-    extra_dtypes: tuple = ()
-    sample: bool = False  # the op's smallest call: the opcheck, compile and CUDA-graph checks use it
-    used: Optional[tuple] = None  # the outputs backpropagated through (None: all)
-    row_upstream: float = 1.0  # the scale of the random upstream gradient of a per-row output
-
-    def dtypes_on(self, device) -> tuple:
-        if self.dtypes is not None:
-            return self.dtypes
-        if torch.device(device).type == "cuda":
-            every = (torch.float32, *LOW_PRECISION)
-        else:
-            every = (torch.float32, *LOW_PRECISION) if self.smoke else (torch.float32,)
-        return tuple(dict.fromkeys((*every, *self.extra_dtypes)))
+CASES: dict[str, list[Case]] = _by_op("CASES")
+KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = _by_op("SAMPLES")
 
 
 def dtype_name(dtype) -> str:
@@ -626,7 +561,7 @@ def _verify_op(op, backend, device, dtypes, checks, add) -> None:
     why = unavailable(op, backend, device, torch.float32)
     if not cases and op not in KERNEL_SAMPLES:
         add(CaseResult(op, backend, "conformance", "-", None, "skipped",
-                       detail="no cases or sample declared for this op in liger_dispatch.testing"))
+                       detail="its op family module in registry/ declares no cases or sample for it"))
         return
     checks_here = [c for c in checks if c != "conformance" and (c != "cuda graph" or device.type == "cuda")]
     if not cases and "conformance" in checks:
@@ -696,336 +631,3 @@ def run(args, device: str) -> int:
         return 2
     result.table(console)
     return 0 if result.passed else 1
-
-
-# ================================================================ the op-specific table
-# The cases and samples of each op, keyed by op name. They belong in the op family modules in registry/ (each
-# family declaring its own), and move there as they are free to edit; nothing above names an op.
-
-
-def _flce(**options):
-    def build(m: Inputs):
-        inputs = dict(input=m.randn(m.N, m.H), weight=m.weight(), target=m.labels(m.N, ignored=(1,)))
-        return inputs, options
-    return build
-
-
-def _flce_bias_3d_noncontiguous(m: Inputs):
-    inputs = dict(input=non_contiguous(m.randn(2, 4, m.H)), weight=m.weight(),
-                  target=m.labels(8, ignored=(0, 5)).view(2, 4), bias=m.randn(m.V))
-    return inputs, dict(label_smoothing=0.05)
-
-
-def _flce_weighted(reduction, weight_scale=1.0, all_ignored=False, **options):
-    """Class weights in [0.2, 2.2) times weight_scale, and a third of the rows' targets the row's max (so the token
-    accuracy is not 0 by chance; fp32 cases only: a lower precision's logits may tie or swap the top two)."""
-    def build(m: Inputs):
-        x, w = m.randn(m.N, m.H), m.weight()
-        target = m.labels(m.N, ignored=(1,), all_ignored=all_ignored)
-        if not all_ignored:
-            target[::3] = (x.float() @ w.float().T).argmax(-1)[::3]
-        ce_weight = (torch.rand(m.V, device=m.device) * 2 + 0.2) * weight_scale
-        return dict(input=x, weight=w, target=target, bias=None, ce_weight=ce_weight), dict(reduction=reduction,
-                                                                                            **options)
-    return build
-
-
-def _flce_rows(rows):
-    def build(m: Inputs):
-        n = max(rows, 3)
-        return dict(input=m.randn(n, m.H), weight=m.weight(), target=m.labels(n, all_ignored=rows == 0)), {}
-    return build
-
-
-def _jsd(beta, temperature, t_squared):
-    def build(m: Inputs):
-        h_t = m.H + 8  # the teacher's hidden size may differ from the student's
-        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(), teacher_input=m.randn(m.N, h_t),
-                      teacher_weight=m.weight(hidden=h_t), shift_labels=m.labels(m.N, ignored=(2,)))
-        return inputs, dict(jsd_beta=beta, temperature=temperature, scale_by_temperature_squared=t_squared)
-    return build
-
-
-def _jsd_no_labels(all_ignored):
-    def build(m: Inputs):
-        inputs = dict(student_input=non_contiguous(m.randn(m.N, m.H)), student_weight=m.weight(),
-                      teacher_input=m.randn(m.N, m.H), teacher_weight=m.weight())
-        if all_ignored:
-            return {**inputs, "shift_labels": m.labels(m.N, all_ignored=True)}, {}
-        return inputs, dict(jsd_beta=0.3)
-    return build
-
-
-def _kl(reduction, log_target, zeros, temperature):
-    def build(m: Inputs):
-        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(),
-                      target=m.kl_target(m.N, log_target, zeros), shift_labels=m.labels(m.N, ignored=(3,)))
-        return inputs, dict(reduction=reduction, log_target=log_target, temperature=temperature)
-    return build
-
-
-def _mhc(which, tmax):
-    def build(m: Inputs):
-        shape = m.mhc_shapes[which]
-        hc, c = shape[-2], shape[-1]
-        n = hc * hc + 2 * hc
-        x = m.randn(*shape)
-        if len(shape) == 4:
-            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
-        inputs = dict(x=x, phi=m.randn(hc * c, n, scale=(hc * c) ** -0.5), b=m.randn(n, dtype=torch.float32, scale=0.5),
-                      alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
-        return inputs, dict(tmax=tmax, pre_eps=0.01)
-    return build
-
-
-def _empty(op, with_labels=False, **options):
-    """Zero rows; the differentiable arguments require grad."""
-    def build(m: Inputs):
-        x, w = m.randn(0, m.H), m.randn(m.V, m.H)
-        rows = m.labels(0) if with_labels else None
-        if op in ("flce", "fused_linear_logprobs"):
-            inputs = dict(input=x, weight=w, target=m.labels(0), bias=m.randn(m.V))
-        elif op == "fused_linear_jsd":
-            inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(0, m.H),
-                          teacher_weight=m.randn(m.V, m.H), shift_labels=rows)
-        elif op == "fused_linear_kl_div":
-            inputs = dict(student_input=x, student_weight=w,
-                          target=m.randn(0, m.V, dtype=torch.float32).softmax(-1).to(m.dtype), shift_labels=rows)
-        else:
-            hc, c = m.mhc_shapes[1][-2:]
-            n = hc * hc + 2 * hc
-            inputs = dict(x=m.randn(0, hc, c), phi=m.randn(hc * c, n), b=m.randn(n, dtype=torch.float32),
-                          alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
-        teacher = ("teacher_input", "teacher_weight", "target")  # never differentiated
-        return {k: leaf(v, v.is_floating_point() and k not in teacher) for k, v in inputs.items()
-                if v is not None}, options
-    return build
-
-
-def _fp16_overflow(op, logit_scale, **options):
-    """fp16 buffers hold the gradient scaled up (compose/grad_bounds.py): inputs whose per-logit gradients are
-    far above 1 must not overflow them (or dX) into inf / NaN."""
-    def build(m: Inputs):
-        x, w = m.randn(m.N, m.H), m.weight(scale=logit_scale)
-        if op == "flce":
-            return dict(input=x, weight=w, target=m.labels(m.N, ignored=(1,))), options
-        if op == "fused_linear_jsd":
-            return dict(student_input=x, student_weight=w, teacher_input=m.randn(m.N, m.H, scale=4.0),
-                        teacher_weight=m.weight()), options
-        x = m.randn(m.N, m.H, scale=4.0)  # a confident student: softmax near one-hot
-        return dict(student_input=x, student_weight=w,
-                    target=torch.softmax(m.randn(m.N, m.V, dtype=torch.float32), -1).to(m.dtype)), options
-    return build
-
-
-def _fp16_beyond(op):
-    """Eight rows of activations ~8000 (CE and KL: all pushing one vocabulary row; JSD: reverse KL from a teacher
-    with log-probabilities down to ~-500): d loss / dW passes fp16's 65504 while the gradient after the upstream
-    0.25 does not. It must come back finite and right, as plain autograd gives it (the upstream scales before the
-    GEMM): the forward may not round the gradient of the loss itself to fp16."""
-    def build(m: Inputs):
-        rows, hidden, vocab = 8, 16, 131
-        x = torch.rand(rows, hidden, device=m.device).add_(0.5).mul_(8000.0).to(m.dtype)
-        w = m.randn(vocab, hidden, scale=1e-4)
-        if op == "flce":
-            inputs = dict(input=x, weight=w, target=torch.full((rows,), 3, device=m.device))
-        elif op == "fused_linear_jsd":
-            inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(rows, hidden),
-                          teacher_weight=m.randn(vocab, hidden, scale=32.0))
-        else:
-            target = torch.zeros(rows, vocab, device=m.device).index_fill_(1, torch.tensor([3], device=m.device), 1.0)
-            inputs = dict(student_input=x, student_weight=w, target=target.to(m.dtype))
-        return inputs, (dict(jsd_beta=1.0) if op == "fused_linear_jsd" else dict(reduction="sum"))  # JSD: a mean
-    return build
-
-
-FP16 = (torch.float16,)
-FP32 = (torch.float32,)
-STATS = dict(return_z_loss=True, return_token_accuracy=True)
-FLCE_OPTIONS = {  # every reduction, and each term of the loss alone and together
-    "mean": dict(),
-    "sum": dict(reduction="sum"),
-    "none": dict(reduction="none"),
-    "smoothing": dict(label_smoothing=0.1),
-    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
-    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
-}
-HEAD = ("input", "weight")
-STUDENT = ("student_input", "student_weight")
-MHC_GRADS = ("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res")
-
-def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, **options):
-    def build(m: Inputs):
-        n = 8 if shape is not None else m.N
-        v = m.V if vocab is None else vocab
-        x = m.randn(n, m.H)
-        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored)
-        if shape is not None:  # [..., H] input, non-contiguous
-            x, target = non_contiguous(x.view(*shape, m.H)), target.view(shape)
-        inputs = dict(input=x, weight=m.weight(vocab=v, scale=scale), target=target)
-        if bias:
-            inputs["bias"] = m.randn(v)
-        return inputs, options
-    return build
-
-
-LOGPROBS_BIAS = (*HEAD, "bias")
-
-CASES: dict[str, list[Case]] = {
-    "flce": [
-        *(Case(name, _flce(**options), HEAD, smoke=name == "smoothing", sample=name == "everything")
-          for name, options in FLCE_OPTIONS.items()),
-        Case("bias_3d_noncontiguous", _flce_bias_3d_noncontiguous, (*HEAD, "bias")),
-        Case("single_row", _flce_rows(1), HEAD),
-        Case("all_ignored", _flce_rows(0), HEAD),
-        Case("empty-mean", _empty("flce", reduction="mean"), kind="empty", extra_dtypes=FP16),
-        Case("empty-sum-zloss", _empty("flce", reduction="sum", lse_square_scale=0.1), kind="empty", extra_dtypes=FP16),
-        Case("empty-none", _empty("flce", reduction="none"), kind="empty", extra_dtypes=FP16),
-        Case("fp16-zloss-softcap", _fp16_overflow("flce", 8.0, softcap=20.0, lse_square_scale=0.5, reduction="sum"),
-             HEAD, dtypes=FP16),
-        Case("fp16-zloss-none", _fp16_overflow("flce", 8.0, lse_square_scale=0.5, reduction="none"), HEAD,
-             dtypes=FP16),
-        Case("fp16-grad-beyond-fp16", _fp16_beyond("flce"), HEAD, upstream=0.25, dtypes=FP16),
-        # liger-kernel's options: class weights, the z-loss and the token accuracy returned (no gradient of their own)
-        Case("weights-mean-stats", _flce_weighted("mean", label_smoothing=0.1, lse_square_scale=1e-2, **STATS), HEAD,
-             used=(0,), dtypes=FP32),
-        Case("weights-none-stats", _flce_weighted("none", lse_square_scale=1e-2, **STATS), HEAD, used=(0,),
-             dtypes=FP32),
-        Case("weights-sum-softcap", _flce_weighted("sum", softcap=3.0, label_smoothing=0.2), HEAD),
-        Case("weights-all-ignored-stats", _flce_weighted("mean", all_ignored=True, label_smoothing=0.1, **STATS), HEAD,
-             used=(0,), dtypes=FP32),
-        Case("fp16-large-weights", _flce_weighted("sum", weight_scale=64.0, label_smoothing=0.1), HEAD, dtypes=FP16),
-    ],
-    "fused_linear_logprobs": [
-        Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),
-        Case("T1-bias", _logprobs(ignored=(0,), bias=True), LOGPROBS_BIAS),
-        Case("T2-no-entropy-grad", _logprobs(ignored=(2,), bias=True, temperature=2.0), LOGPROBS_BIAS, used=(0,)),
-        Case("entropy-grad-only", _logprobs(temperature=1.3), HEAD, used=(1,)),
-        Case("all-ignored", _logprobs(bias=True, all_ignored=True), LOGPROBS_BIAS),
-        Case("3d-noncontiguous", _logprobs(ignored=(0, 5), bias=True, shape=(2, 4), temperature=0.8), LOGPROBS_BIAS),
-        Case("fp16-tiny-upstream", _logprobs(ignored=(1,), bias=True, vocab=1031, scale=1.0), LOGPROBS_BIAS,
-             row_upstream=1e-5, dtypes=FP16),
-        Case("fp16-cold-large-upstream", _logprobs(ignored=(1,), bias=True, scale=6.0, temperature=0.25),
-             LOGPROBS_BIAS, row_upstream=300.0, dtypes=FP16),
-        Case("empty", _empty("fused_linear_logprobs"), kind="empty", extra_dtypes=FP16),
-    ],
-    "fused_linear_jsd": [
-        *(Case(f"beta{beta}-T{t}" + ("-t2" if t2 else ""), _jsd(beta, t, t2), STUDENT,
-               smoke=(beta, t) == (0.5, 2.0), sample=(beta, t) == (0.5, 2.0))
-          for t, t2 in ((1.0, False), (2.0, True), (0.7, False)) for beta in (0.0, 0.5, 1.0)),
-        Case("no_labels_noncontiguous", _jsd_no_labels(False), STUDENT),
-        Case("all_ignored", _jsd_no_labels(True), STUDENT),
-        Case("empty", _empty("fused_linear_jsd", jsd_beta=0.5), kind="empty", extra_dtypes=FP16),
-        Case("empty-forward-kl-labels", _empty("fused_linear_jsd", jsd_beta=0.0, with_labels=True), kind="empty",
-             extra_dtypes=FP16),
-        Case("fp16-cold", _fp16_overflow("fused_linear_jsd", 1.0, jsd_beta=0.0, temperature=0.05), STUDENT,
-             dtypes=FP16),
-        Case("fp16-reverse-cold", _fp16_overflow("fused_linear_jsd", 1.0, jsd_beta=1.0, temperature=0.25), STUDENT,
-             dtypes=FP16),
-        Case("fp16-grad-beyond-fp16", _fp16_beyond("fused_linear_jsd"), STUDENT, upstream=0.25, dtypes=FP16),
-    ],
-    "fused_linear_kl_div": [
-        *(Case(f"{reduction}-{kind}-T{t}", _kl(reduction, log_target, zeros, t), STUDENT,
-               smoke=(reduction, kind) == ("batchmean", "zeros"), sample=(reduction, kind) == ("batchmean", "zeros"))
-          for kind, log_target, zeros, t in (("zeros", False, True, 1.0), ("log_target", True, False, 2.0),
-                                             ("probs", False, False, 0.5))
-          for reduction in ("batchmean", "mean", "sum")),
-        Case("empty-batchmean", _empty("fused_linear_kl_div", reduction="batchmean"), kind="empty", extra_dtypes=FP16),
-        Case("empty-mean-labels", _empty("fused_linear_kl_div", reduction="mean", with_labels=True), kind="empty",
-             extra_dtypes=FP16),
-        Case("empty-sum-log_target", _empty("fused_linear_kl_div", reduction="sum", log_target=True), kind="empty",
-             extra_dtypes=FP16),
-        # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
-        Case("fp16-unnormalized", _fp16_overflow("fused_linear_kl_div", 1.0, log_target=True, reduction="sum"),
-             STUDENT, dtypes=FP16),
-        Case("fp16-grad-beyond-fp16", _fp16_beyond("fused_linear_kl_div"), STUDENT, upstream=0.25, dtypes=FP16),
-    ],
-    "mhc_coeffs": [
-        Case("2x3x4x8-tmax3", _mhc(0, 3), MHC_GRADS, smoke=True, sample=True),
-        Case("5x2x8-tmax1", _mhc(1, 1), MHC_GRADS),
-        Case("5x2x8-tmax20", _mhc(1, 20), MHC_GRADS),
-        Case("empty", _empty("mhc_coeffs"), kind="empty", extra_dtypes=FP16),
-    ],
-}
-
-
-def _labels(m: Inputs, rows=6, vocab=40):
-    return m.labels(rows, vocab, ignored=(1,))
-
-
-def _ce_sample(m):
-    return (m.randn(6, 40, scale=4.0), _labels(m)), dict(
-        grad_scale=torch.rand(6, device=m.device) + 0.1, label_smoothing=0.1,
-        ce_weight=torch.rand(40, device=m.device) + 0.5, row_stats=torch.zeros(6, 2, device=m.device))
-
-
-def _jsd_sample(m):
-    return (m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)), dict(beta=0.3, temperature=2.0)
-
-
-def _kl_sample(m):
-    return (m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), dict(temperature=1.5)
-
-
-def _mhc_fwd_sample(m):
-    hc, c = 4, 8
-    n = hc * hc + 2 * hc
-    rows = m.randn(6, hc * c)
-    return (rows, m.randn(hc * c, n, scale=0.1), m.randn(n, dtype=torch.float32), m.scalar(0.5), m.scalar(0.7),
-            m.scalar(0.9)), dict(hc=hc, tmax=3)
-
-
-def _mhc_bwd_sample(m):
-    args, kwargs = _mhc_fwd_sample(m)
-    *_, mix, rstd = dispatch.op("mhc_coeff_fwd", backend="reference")(*args, **kwargs)
-    grads = (m.randn(6, 4, dtype=torch.float32), None, m.randn(6, 4, 4, dtype=torch.float32))
-    return (*args, mix, rstd, *grads), kwargs
-
-
-KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = {
-    "ce_loss_and_grad": _ce_sample,
-    "jsd_loss_and_grad": _jsd_sample,
-    "kl_div_loss_and_grad": _kl_sample,
-    "mhc_coeff_fwd": _mhc_fwd_sample,
-    "mhc_coeff_bwd": _mhc_bwd_sample,
-    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m, vocab=80)),
-                              dict(vocab_start=30, ce_weight=torch.rand(80, device=m.device) + 0.5)),
-    "jsd_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)),
-                               dict(temperature=2.0)),
-    "kl_div_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)), {}),
-    "logprobs_stats": lambda m: ((m.randn(6, 40, scale=4.0), _labels(m)), dict(temperature=1.5)),
-}
-
-
-def _ce_vp_grad(m):
-    logits, target, weights = m.randn(6, 40, scale=4.0), _labels(m, vocab=80), torch.rand(80, device=m.device) + 0.5
-    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30, ce_weight=weights)
-    return (logits, target, stats), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1, ce_weight=weights)
-
-
-def _jsd_vp(which):
-    def build(m):
-        s, t, labels = m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), _labels(m)
-        lse = dispatch.op("jsd_vp_stats", backend="reference")(s, t, labels)
-        if which == "sums":
-            return (s, t, lse, labels), dict(beta=0.3)
-        sums = dispatch.op("jsd_vp_sums", backend="reference")(s, t, lse, labels, beta=0.3)
-        return (s, t, lse, sums, labels), dict(beta=0.3)
-    return build
-
-
-def _kl_vp_grad(m):
-    s, target, labels = m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), _labels(m)
-    stats = dispatch.op("kl_div_vp_stats", backend="reference")(s, target, labels)
-    return (s, target, stats[:, 0].contiguous(), stats[:, 1].contiguous(), labels), {}
-
-
-def _logprobs_grad(m):
-    logits, target = m.randn(6, 40, scale=4.0), _labels(m)
-    stats = dispatch.op("logprobs_stats", backend="reference")(logits, target, temperature=1.5)
-    return (logits, target, stats, m.randn(6, dtype=torch.float32), m.randn(6, dtype=torch.float32)), \
-        dict(temperature=1.5)
-
-
-KERNEL_SAMPLES.update(ce_vp_grad=_ce_vp_grad, jsd_vp_sums=_jsd_vp("sums"), jsd_vp_grad=_jsd_vp("grad"),
-                      kl_div_vp_grad=_kl_vp_grad, logprobs_grad=_logprobs_grad)

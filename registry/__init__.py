@@ -3,8 +3,10 @@
 An op family module (cross_entropy, jsd, kl_div, logprobs, mhc; support: the machinery's own kernels) holds everything that is specific to its ops, read by the
 machinery: OPS, their OpSpecs (schemas, checks, fakes, compositions, fp16 bounds, vocab-parallel layouts, tuning),
 BACKEND_MODULES, the module of each backend package that implements each kernel-level op, and optionally BACKENDS,
-the backends that have those modules (default: all four). Importing this module
-declares everything; backend modules are imported lazily.
+the backends that have those modules (default: all four); and, for liger_dispatch.testing, CASES (the conformance
+cases of its user-level ops, by op; cases.py has their pieces) and SAMPLES (the smallest call of each kernel-level
+op, by op), both optional (default: none). Importing this module declares everything; backend modules are imported
+lazily.
 """
 
 from liger_dispatch import settings

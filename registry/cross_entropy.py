@@ -31,6 +31,8 @@ from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.registry.cases import (FP16, FP32, Case, Inputs, beyond_fp16_head, empty_head, empty_leaves,
+                                           non_contiguous, overflow_head, sample_labels)
 from liger_dispatch.tuning import points as tp
 
 CE_SCHEMA = ("ce_loss_and_grad(Tensor(a!) logits, Tensor target, *, Tensor? grad_scale=None, int ignore_index=-100, "
@@ -352,3 +354,117 @@ OPS = (
            summary="fused linear + cross-entropy (class weights, label smoothing, softcap, z-loss, accuracy)"),
 )
 BACKEND_MODULES = {"ce_loss_and_grad": "ce", "ce_vp_stats": "vocab_parallel", "ce_vp_grad": "vocab_parallel"}
+
+
+# ---------------------------------------------------------------- conformance cases and samples (testing.py)
+HEAD = ("input", "weight")
+STATS = dict(return_z_loss=True, return_token_accuracy=True)
+FLCE_OPTIONS = {  # every reduction, and each term of the loss alone and together
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "smoothing": dict(label_smoothing=0.1),
+    "softcap_zloss": dict(softcap=3.0, lse_square_scale=1e-2),
+    "everything": dict(label_smoothing=0.2, softcap=2.0, lse_square_scale=1e-3, reduction="sum"),
+}
+
+
+def _flce(**options):
+    def build(m: Inputs):
+        inputs = dict(input=m.randn(m.N, m.H), weight=m.weight(), target=m.labels(m.N, ignored=(1,)))
+        return inputs, options
+    return build
+
+
+def _flce_bias_3d_noncontiguous(m: Inputs):
+    inputs = dict(input=non_contiguous(m.randn(2, 4, m.H)), weight=m.weight(),
+                  target=m.labels(8, ignored=(0, 5)).view(2, 4), bias=m.randn(m.V))
+    return inputs, dict(label_smoothing=0.05)
+
+
+def _flce_weighted(reduction, weight_scale=1.0, all_ignored=False, **options):
+    """Class weights in [0.2, 2.2) times weight_scale, and a third of the rows' targets the row's max (so the token
+    accuracy is not 0 by chance; fp32 cases only: a lower precision's logits may tie or swap the top two)."""
+    def build(m: Inputs):
+        x, w = m.randn(m.N, m.H), m.weight()
+        target = m.labels(m.N, ignored=(1,), all_ignored=all_ignored)
+        if not all_ignored:
+            target[::3] = (x.float() @ w.float().T).argmax(-1)[::3]
+        ce_weight = (torch.rand(m.V, device=m.device) * 2 + 0.2) * weight_scale
+        return dict(input=x, weight=w, target=target, bias=None, ce_weight=ce_weight), dict(reduction=reduction,
+                                                                                            **options)
+    return build
+
+
+def _flce_rows(rows):
+    def build(m: Inputs):
+        n = max(rows, 3)
+        return dict(input=m.randn(n, m.H), weight=m.weight(), target=m.labels(n, all_ignored=rows == 0)), {}
+    return build
+
+
+def _empty(**options):
+    def build(m: Inputs):
+        x, w = empty_head(m)
+        return empty_leaves(dict(input=x, weight=w, target=m.labels(0), bias=m.randn(m.V))), options
+    return build
+
+
+def _fp16_overflow(logit_scale, **options):
+    def build(m: Inputs):
+        x, w = overflow_head(m, logit_scale)
+        return dict(input=x, weight=w, target=m.labels(m.N, ignored=(1,))), options
+    return build
+
+
+def _fp16_beyond(m: Inputs):
+    """Every row pushing one vocabulary row."""
+    x, w = beyond_fp16_head(m)
+    return dict(input=x, weight=w, target=torch.full((x.shape[0],), 3, device=m.device)), dict(reduction="sum")
+
+
+CASES = {"flce": [
+    *(Case(name, _flce(**options), HEAD, smoke=name == "smoothing", sample=name == "everything")
+      for name, options in FLCE_OPTIONS.items()),
+    Case("bias_3d_noncontiguous", _flce_bias_3d_noncontiguous, (*HEAD, "bias")),
+    Case("single_row", _flce_rows(1), HEAD),
+    Case("all_ignored", _flce_rows(0), HEAD),
+    Case("empty-mean", _empty(reduction="mean"), kind="empty", extra_dtypes=FP16),
+    Case("empty-sum-zloss", _empty(reduction="sum", lse_square_scale=0.1), kind="empty", extra_dtypes=FP16),
+    Case("empty-none", _empty(reduction="none"), kind="empty", extra_dtypes=FP16),
+    Case("fp16-zloss-softcap", _fp16_overflow(8.0, softcap=20.0, lse_square_scale=0.5, reduction="sum"), HEAD,
+         dtypes=FP16),
+    Case("fp16-zloss-none", _fp16_overflow(8.0, lse_square_scale=0.5, reduction="none"), HEAD, dtypes=FP16),
+    Case("fp16-grad-beyond-fp16", _fp16_beyond, HEAD, upstream=0.25, dtypes=FP16),
+    # liger-kernel's options: class weights, the z-loss and the token accuracy returned (no gradient of their own)
+    Case("weights-mean-stats", _flce_weighted("mean", label_smoothing=0.1, lse_square_scale=1e-2, **STATS), HEAD,
+         used=(0,), dtypes=FP32),
+    Case("weights-none-stats", _flce_weighted("none", lse_square_scale=1e-2, **STATS), HEAD, used=(0,), dtypes=FP32),
+    Case("weights-sum-softcap", _flce_weighted("sum", softcap=3.0, label_smoothing=0.2), HEAD),
+    Case("weights-all-ignored-stats", _flce_weighted("mean", all_ignored=True, label_smoothing=0.1, **STATS), HEAD,
+         used=(0,), dtypes=FP32),
+    Case("fp16-large-weights", _flce_weighted("sum", weight_scale=64.0, label_smoothing=0.1), HEAD, dtypes=FP16),
+]}
+
+
+def _ce_sample(m: Inputs):
+    return (m.randn(6, 40, scale=4.0), sample_labels(m)), dict(
+        grad_scale=torch.rand(6, device=m.device) + 0.1, label_smoothing=0.1,
+        ce_weight=torch.rand(40, device=m.device) + 0.5, row_stats=torch.zeros(6, 2, device=m.device))
+
+
+def _ce_vp_grad_sample(m: Inputs):
+    from liger_dispatch import dispatch
+
+    logits, target = m.randn(6, 40, scale=4.0), sample_labels(m, vocab=80)
+    weights = torch.rand(80, device=m.device) + 0.5
+    stats = dispatch.op("ce_vp_stats", backend="reference")(logits, target, vocab_start=30, ce_weight=weights)
+    return (logits, target, stats), dict(vocab_start=30, vocab_size=80, label_smoothing=0.1, ce_weight=weights)
+
+
+SAMPLES = {
+    "ce_loss_and_grad": _ce_sample,
+    "ce_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), sample_labels(m, vocab=80)),
+                              dict(vocab_start=30, ce_weight=torch.rand(80, device=m.device) + 0.5)),
+    "ce_vp_grad": _ce_vp_grad_sample,
+}

@@ -23,6 +23,8 @@ from liger_dispatch.compose.vocab_parallel import VocabParallel, VocabShard
 from liger_dispatch.core.table import OpSpec
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.registry.cases import (FP16, Case, Inputs, beyond_fp16_head, empty_head, empty_leaves,
+                                           non_contiguous, overflow_head, sample_labels)
 from liger_dispatch.tuning import points as tp
 
 KERNEL_SCHEMA = ("jsd_loss_and_grad(Tensor(a!) student_logits, Tensor teacher_logits, Tensor? labels=None, *, "
@@ -198,3 +200,95 @@ OPS = (
 )
 BACKEND_MODULES = {"jsd_loss_and_grad": "jsd", "jsd_vp_stats": "vocab_parallel", "jsd_vp_sums": "vocab_parallel",
                    "jsd_vp_grad": "vocab_parallel"}
+
+
+# ---------------------------------------------------------------- conformance cases and samples (testing.py)
+STUDENT = ("student_input", "student_weight")
+TEACHER = ("teacher_input", "teacher_weight")  # never differentiated
+
+
+def _jsd(beta, temperature, t_squared):
+    def build(m: Inputs):
+        h_t = m.H + 8  # the teacher's hidden size may differ from the student's
+        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(), teacher_input=m.randn(m.N, h_t),
+                      teacher_weight=m.weight(hidden=h_t), shift_labels=m.labels(m.N, ignored=(2,)))
+        return inputs, dict(jsd_beta=beta, temperature=temperature, scale_by_temperature_squared=t_squared)
+    return build
+
+
+def _jsd_no_labels(all_ignored):
+    def build(m: Inputs):
+        inputs = dict(student_input=non_contiguous(m.randn(m.N, m.H)), student_weight=m.weight(),
+                      teacher_input=m.randn(m.N, m.H), teacher_weight=m.weight())
+        if all_ignored:
+            return {**inputs, "shift_labels": m.labels(m.N, all_ignored=True)}, {}
+        return inputs, dict(jsd_beta=0.3)
+    return build
+
+
+def _empty(with_labels=False, **options):
+    def build(m: Inputs):
+        x, w = empty_head(m)
+        rows = m.labels(0) if with_labels else None
+        inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(0, m.H),
+                      teacher_weight=m.randn(m.V, m.H), shift_labels=rows)
+        return empty_leaves(inputs, frozen=TEACHER), options
+    return build
+
+
+def _fp16_overflow(**options):
+    def build(m: Inputs):
+        x, w = overflow_head(m, 1.0)
+        return dict(student_input=x, student_weight=w, teacher_input=m.randn(m.N, m.H, scale=4.0),
+                    teacher_weight=m.weight()), options
+    return build
+
+
+def _fp16_beyond(m: Inputs):
+    """Reverse KL from a teacher with log-probabilities down to ~-500 (the loss is a mean: no reduction to set)."""
+    x, w = beyond_fp16_head(m)
+    (rows, hidden), vocab = x.shape, w.shape[0]
+    inputs = dict(student_input=x, student_weight=w, teacher_input=m.randn(rows, hidden),
+                  teacher_weight=m.randn(vocab, hidden, scale=32.0))
+    return inputs, dict(jsd_beta=1.0)
+
+
+CASES = {"fused_linear_jsd": [
+    *(Case(f"beta{beta}-T{t}" + ("-t2" if t2 else ""), _jsd(beta, t, t2), STUDENT,
+           smoke=(beta, t) == (0.5, 2.0), sample=(beta, t) == (0.5, 2.0))
+      for t, t2 in ((1.0, False), (2.0, True), (0.7, False)) for beta in (0.0, 0.5, 1.0)),
+    Case("no_labels_noncontiguous", _jsd_no_labels(False), STUDENT),
+    Case("all_ignored", _jsd_no_labels(True), STUDENT),
+    Case("empty", _empty(jsd_beta=0.5), kind="empty", extra_dtypes=FP16),
+    Case("empty-forward-kl-labels", _empty(jsd_beta=0.0, with_labels=True), kind="empty", extra_dtypes=FP16),
+    Case("fp16-cold", _fp16_overflow(jsd_beta=0.0, temperature=0.05), STUDENT, dtypes=FP16),
+    Case("fp16-reverse-cold", _fp16_overflow(jsd_beta=1.0, temperature=0.25), STUDENT, dtypes=FP16),
+    Case("fp16-grad-beyond-fp16", _fp16_beyond, STUDENT, upstream=0.25, dtypes=FP16),
+]}
+
+
+def _jsd_sample(m: Inputs):
+    return (m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), sample_labels(m)), dict(beta=0.3, temperature=2.0)
+
+
+def _vp_sample(which):
+    """jsd_vp_sums' or jsd_vp_grad's sample: the passes before it run on the reference."""
+    def build(m: Inputs):
+        from liger_dispatch import dispatch
+
+        s, t, labels = m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), sample_labels(m)
+        lse = dispatch.op("jsd_vp_stats", backend="reference")(s, t, labels)
+        if which == "sums":
+            return (s, t, lse, labels), dict(beta=0.3)
+        sums = dispatch.op("jsd_vp_sums", backend="reference")(s, t, lse, labels, beta=0.3)
+        return (s, t, lse, sums, labels), dict(beta=0.3)
+    return build
+
+
+SAMPLES = {
+    "jsd_loss_and_grad": _jsd_sample,
+    "jsd_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), m.randn(6, 40, scale=4.0), sample_labels(m)),
+                               dict(temperature=2.0)),
+    "jsd_vp_sums": _vp_sample("sums"),
+    "jsd_vp_grad": _vp_sample("grad"),
+}

@@ -23,6 +23,8 @@ from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.registry.cases import (FP16, Case, Inputs, beyond_fp16_head, empty_head, empty_leaves,
+                                           overflow_head, sample_labels)
 from liger_dispatch.tuning import points as tp
 
 KERNEL_SCHEMA = ("kl_div_loss_and_grad(Tensor(a!) student_logits, Tensor target, Tensor? labels=None, *, "
@@ -209,3 +211,77 @@ OPS = (
 )
 BACKEND_MODULES = {"kl_div_loss_and_grad": "kl_div", "kl_div_vp_stats": "vocab_parallel",
                    "kl_div_vp_grad": "vocab_parallel"}
+
+
+# ---------------------------------------------------------------- conformance cases and samples (testing.py)
+STUDENT = ("student_input", "student_weight")
+
+
+def _kl(reduction, log_target, zeros, temperature):
+    def build(m: Inputs):
+        inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(),
+                      target=m.kl_target(m.N, log_target, zeros), shift_labels=m.labels(m.N, ignored=(3,)))
+        return inputs, dict(reduction=reduction, log_target=log_target, temperature=temperature)
+    return build
+
+
+def _empty(with_labels=False, **options):
+    def build(m: Inputs):
+        x, w = empty_head(m)
+        rows = m.labels(0) if with_labels else None
+        inputs = dict(student_input=x, student_weight=w,
+                      target=m.randn(0, m.V, dtype=torch.float32).softmax(-1).to(m.dtype), shift_labels=rows)
+        return empty_leaves(inputs, frozen=("target",)), options
+    return build
+
+
+def _fp16_overflow(**options):
+    def build(m: Inputs):
+        _, w = overflow_head(m, 1.0)
+        x = m.randn(m.N, m.H, scale=4.0)  # a confident student instead: softmax near one-hot
+        return dict(student_input=x, student_weight=w,
+                    target=torch.softmax(m.randn(m.N, m.V, dtype=torch.float32), -1).to(m.dtype)), options
+    return build
+
+
+def _fp16_beyond(m: Inputs):
+    """Every row's target all on one vocabulary row."""
+    x, w = beyond_fp16_head(m)
+    (rows, _), vocab = x.shape, w.shape[0]
+    target = torch.zeros(rows, vocab, device=m.device).index_fill_(1, torch.tensor([3], device=m.device), 1.0)
+    return dict(student_input=x, student_weight=w, target=target.to(m.dtype)), dict(reduction="sum")
+
+
+CASES = {"fused_linear_kl_div": [
+    *(Case(f"{reduction}-{kind}-T{t}", _kl(reduction, log_target, zeros, t), STUDENT,
+           smoke=(reduction, kind) == ("batchmean", "zeros"), sample=(reduction, kind) == ("batchmean", "zeros"))
+      for kind, log_target, zeros, t in (("zeros", False, True, 1.0), ("log_target", True, False, 2.0),
+                                         ("probs", False, False, 0.5))
+      for reduction in ("batchmean", "mean", "sum")),
+    Case("empty-batchmean", _empty(reduction="batchmean"), kind="empty", extra_dtypes=FP16),
+    Case("empty-mean-labels", _empty(reduction="mean", with_labels=True), kind="empty", extra_dtypes=FP16),
+    Case("empty-sum-log_target", _empty(reduction="sum", log_target=True), kind="empty", extra_dtypes=FP16),
+    # probabilities passed as log-probabilities (as liger-kernel's own tests do): exp(target) sums to ~V per row
+    Case("fp16-unnormalized", _fp16_overflow(log_target=True, reduction="sum"), STUDENT, dtypes=FP16),
+    Case("fp16-grad-beyond-fp16", _fp16_beyond, STUDENT, upstream=0.25, dtypes=FP16),
+]}
+
+
+def _kl_sample(m: Inputs):
+    return (m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), sample_labels(m)), dict(temperature=1.5)
+
+
+def _vp_grad_sample(m: Inputs):
+    from liger_dispatch import dispatch
+
+    s, target, labels = m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), sample_labels(m)
+    stats = dispatch.op("kl_div_vp_stats", backend="reference")(s, target, labels)
+    return (s, target, stats[:, 0].contiguous(), stats[:, 1].contiguous(), labels), {}
+
+
+SAMPLES = {
+    "kl_div_loss_and_grad": _kl_sample,
+    "kl_div_vp_stats": lambda m: ((m.randn(6, 40, scale=4.0), torch.softmax(m.randn(6, 40), -1), sample_labels(m)),
+                                  {}),
+    "kl_div_vp_grad": _vp_grad_sample,
+}

@@ -49,6 +49,7 @@ from liger_dispatch.core.table import OpSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
+from liger_dispatch.registry.cases import FP16, Case, Inputs, empty_head, empty_leaves, non_contiguous, sample_labels
 from liger_dispatch.registry.heads import fake_in_place, fake_rows
 
 STATS_SCHEMA = ("logprobs_stats(Tensor logits, Tensor target, *, int vocab_start=0, float temperature=1.0, "
@@ -228,3 +229,58 @@ OPS = (
            summary="fused linear per-token log-probs and entropy (RL / preference training), with autograd"),
 )
 BACKEND_MODULES = {"logprobs_stats": "logprobs", "logprobs_grad": "logprobs"}
+
+
+# ---------------------------------------------------------------- conformance cases and samples (testing.py)
+HEAD = ("input", "weight")
+HEAD_BIAS = (*HEAD, "bias")
+
+
+def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, **options):
+    def build(m: Inputs):
+        n = 8 if shape is not None else m.N
+        v = m.V if vocab is None else vocab
+        x = m.randn(n, m.H)
+        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored)
+        if shape is not None:  # [..., H] input, non-contiguous
+            x, target = non_contiguous(x.view(*shape, m.H)), target.view(shape)
+        inputs = dict(input=x, weight=m.weight(vocab=v, scale=scale), target=target)
+        if bias:
+            inputs["bias"] = m.randn(v)
+        return inputs, options
+    return build
+
+
+def _empty(m: Inputs):
+    x, w = empty_head(m)
+    return empty_leaves(dict(input=x, weight=w, target=m.labels(0), bias=m.randn(m.V))), {}
+
+
+CASES = {"fused_linear_logprobs": [
+    Case("T0.7-both", _logprobs(ignored=(1, 4), temperature=0.7), HEAD, smoke=True, sample=True),
+    Case("T1-bias", _logprobs(ignored=(0,), bias=True), HEAD_BIAS),
+    Case("T2-no-entropy-grad", _logprobs(ignored=(2,), bias=True, temperature=2.0), HEAD_BIAS, used=(0,)),
+    Case("entropy-grad-only", _logprobs(temperature=1.3), HEAD, used=(1,)),
+    Case("all-ignored", _logprobs(bias=True, all_ignored=True), HEAD_BIAS),
+    Case("3d-noncontiguous", _logprobs(ignored=(0, 5), bias=True, shape=(2, 4), temperature=0.8), HEAD_BIAS),
+    Case("fp16-tiny-upstream", _logprobs(ignored=(1,), bias=True, vocab=1031, scale=1.0), HEAD_BIAS,
+         row_upstream=1e-5, dtypes=FP16),
+    Case("fp16-cold-large-upstream", _logprobs(ignored=(1,), bias=True, scale=6.0, temperature=0.25), HEAD_BIAS,
+         row_upstream=300.0, dtypes=FP16),
+    Case("empty", _empty, kind="empty", extra_dtypes=FP16),
+]}
+
+
+def _grad_sample(m: Inputs):
+    from liger_dispatch import dispatch
+
+    logits, target = m.randn(6, 40, scale=4.0), sample_labels(m)
+    stats = dispatch.op("logprobs_stats", backend="reference")(logits, target, temperature=1.5)
+    grads = m.randn(6, dtype=torch.float32), m.randn(6, dtype=torch.float32)  # of the log-probs and the entropy
+    return (logits, target, stats, *grads), dict(temperature=1.5)
+
+
+SAMPLES = {
+    "logprobs_stats": lambda m: ((m.randn(6, 40, scale=4.0), sample_labels(m)), dict(temperature=1.5)),
+    "logprobs_grad": _grad_sample,
+}

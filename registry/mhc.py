@@ -17,6 +17,7 @@ import torch
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
 from liger_dispatch.core.table import OpSpec, TensorSpec
+from liger_dispatch.registry.cases import FP16, Case, Inputs, empty_leaves
 from liger_dispatch.tuning import points as tp
 
 
@@ -209,6 +210,7 @@ def _tune_point(b, t, hc, channels, dtype, device):
 TUNE_ARGUMENTS = ((("--mhc",), dict(nargs="+", type=_shape, default=[(4, 512, 4, 1024), (4, 2048, 4, 4096)],
                                     metavar="BxTxHCxC", help="mhc_coeffs shapes (default: 4x512x4x1024 4x2048x4x4096)")),)
 
+DIFFERENTIABLE = ("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res")
 
 OPS = (
     OpSpec(FWD_SCHEMA, "kernel", check_mhc_coeff_fwd, fake=fake_mhc_coeff_fwd,
@@ -216,9 +218,61 @@ OPS = (
     OpSpec(BWD_SCHEMA, "kernel", check_mhc_coeff_bwd, fake=fake_mhc_coeff_bwd,
            summary="mHC coefficients backward: Sinkhorn/sigmoid epilogue, then the MM/RMS backward"),
     OpSpec(MHC_SCHEMA, "user", check_mhc_coeffs, composed_of=("mhc_coeff_fwd", "mhc_coeff_bwd"), compose=MHCCoeffs,
-           probe=probe_mhc_coeffs, differentiable=("x", "phi", "b", "alpha_pre", "alpha_post", "alpha_res"),
-           fake=fake_mhc_coeffs, saved="Tensor mix, Tensor rstd",
+           probe=probe_mhc_coeffs, differentiable=DIFFERENTIABLE, fake=fake_mhc_coeffs, saved="Tensor mix, Tensor rstd",
            tuning=tp.Tuning(bucket, tune_groups, TUNE_ARGUMENTS),
            summary="mHC pre/post/residual coefficients, with autograd"),
 )
 BACKEND_MODULES = {"mhc_coeff_fwd": "mhc", "mhc_coeff_bwd": "mhc"}
+
+
+# ---------------------------------------------------------------- conformance cases and samples (testing.py)
+
+
+def _mhc(which, tmax):
+    def build(m: Inputs):
+        shape = m.mhc_shapes[which]
+        hc, c = shape[-2], shape[-1]
+        n = hc * hc + 2 * hc
+        x = m.randn(*shape)
+        if len(shape) == 4:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+        inputs = dict(x=x, phi=m.randn(hc * c, n, scale=(hc * c) ** -0.5), b=m.randn(n, dtype=torch.float32, scale=0.5),
+                      alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
+        return inputs, dict(tmax=tmax, pre_eps=0.01)
+    return build
+
+
+def _empty(m: Inputs):
+    hc, c = m.mhc_shapes[1][-2:]
+    n = hc * hc + 2 * hc
+    inputs = dict(x=m.randn(0, hc, c), phi=m.randn(hc * c, n), b=m.randn(n, dtype=torch.float32),
+                  alpha_pre=m.scalar(0.8), alpha_post=m.scalar(1.1), alpha_res=m.scalar(0.9))
+    return empty_leaves(inputs), {}
+
+
+CASES = {"mhc_coeffs": [
+    Case("2x3x4x8-tmax3", _mhc(0, 3), DIFFERENTIABLE, smoke=True, sample=True),
+    Case("5x2x8-tmax1", _mhc(1, 1), DIFFERENTIABLE),
+    Case("5x2x8-tmax20", _mhc(1, 20), DIFFERENTIABLE),
+    Case("empty", _empty, kind="empty", extra_dtypes=FP16),
+]}
+
+
+def _fwd_sample(m: Inputs):
+    hc, c = 4, 8
+    n = hc * hc + 2 * hc
+    rows = m.randn(6, hc * c)
+    return (rows, m.randn(hc * c, n, scale=0.1), m.randn(n, dtype=torch.float32), m.scalar(0.5), m.scalar(0.7),
+            m.scalar(0.9)), dict(hc=hc, tmax=3)
+
+
+def _bwd_sample(m: Inputs):
+    from liger_dispatch import dispatch
+
+    args, kwargs = _fwd_sample(m)
+    *_, mix, rstd = dispatch.op("mhc_coeff_fwd", backend="reference")(*args, **kwargs)
+    grads = (m.randn(6, 4, dtype=torch.float32), None, m.randn(6, 4, 4, dtype=torch.float32))
+    return (*args, mix, rstd, *grads), kwargs
+
+
+SAMPLES = {"mhc_coeff_fwd": _fwd_sample, "mhc_coeff_bwd": _bwd_sample}

@@ -2,7 +2,8 @@
 
 import torch
 
-from liger_dispatch.testing import FLCE_OPTIONS as FLCE_CASES, assert_rel_close, rel_err  # noqa: F401 (one source)
+from liger_dispatch.registry.cross_entropy import FLCE_OPTIONS as FLCE_CASES  # noqa: F401 (one source)
+from liger_dispatch.testing import assert_rel_close, rel_err  # noqa: F401 (one source)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IGNORE = -100

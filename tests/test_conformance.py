@@ -1,10 +1,10 @@
 """The conformance suite, driven by the registry: every (op, backend) that can run here is compared with
 the reference formulas on fresh random inputs. A new backend is tested by registering it.
 
-The cases live in liger_dispatch.testing (CASES), the same ones `python -m liger_dispatch verify --backend NAME` runs
-on a backend outside this repository. On the CPU the shapes are tiny (Triton and Helion kernels run in Triton's
-interpreter) and the low-precision dtypes get the smoke cases; `pytest -m gpu` runs every case at real shapes in
-every dtype on the GPU."""
+The cases live in the op family modules of registry/ (CASES; liger_dispatch.testing.CASES has them all), the same
+ones `python -m liger_dispatch verify --backend NAME` runs on a backend outside this repository. On the CPU the
+shapes are tiny (Triton and Helion kernels run in Triton's interpreter) and the low-precision dtypes get the smoke
+cases; `pytest -m gpu` runs every case at real shapes in every dtype on the GPU."""
 
 from __future__ import annotations
 
