@@ -205,6 +205,16 @@ def test_compile_fullgraph_mhc(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compile_mhc_of_a_strided_residual_stream(backend):
+    """x a transposed view (a residual stream's layout): the backward op's gradients are contiguous, and its fake
+    says so (inductor asserts every output's strides against the fake)."""
+    handle = handle_here("mhc_coeffs", backend)
+    x, *rest = mhc_inputs()
+    strided = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    compiled_equals_eager(lambda *a: handle(*a, tmax=3), (strided, *rest))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_compile_fullgraph_logprobs(backend):
     """Both outputs; the entropy unused; no bias."""
     handle = handle_here("fused_linear_logprobs", backend)

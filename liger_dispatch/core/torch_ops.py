@@ -448,7 +448,7 @@ def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], 
     gradient was not asked for (grad None)."""
     if input is None or grad is None:
         return like.new_empty(0)
-    return grad.reshape(input.shape).to(input.dtype)
+    return grad.reshape(input.shape).to(input.dtype).contiguous()  # whatever the input's strides: the fake's
 
 
 def _returns(schema_text: str) -> int:
@@ -502,8 +502,8 @@ def _define_with_backward(spec: OpSpec) -> None:
         return _unaliased(tuple(_grad_or_empty(g if w else None, tensors[i], args[0])
                                 for i, g, w in zip(where, grads, need_grads)), args)
 
-    def backward_fake(*args, need_grads, backend=None, **options):
-        return tuple(args[0].new_empty(0) if args[i] is None or not w else torch.empty_like(args[i])
+    def backward_fake(*args, need_grads, backend=None, **options):  # contiguous, as _grad_or_empty makes them
+        return tuple(args[0].new_empty(0) if args[i] is None or not w else args[i].new_empty(args[i].shape)
                      for i, w in zip(where, need_grads))
 
     def setup_context(ctx, inputs, keyword_only_inputs, output):
