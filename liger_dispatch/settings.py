@@ -118,7 +118,8 @@ CHECKS = Setting("LIGER_CHECKS", lambda raw: _choice(raw, ("device", "full")), "
                  "device", "where value checks run on an accelerator: device-side asserts, or full host checks "
                  "with a Python error (a sync per call; debugging)")
 CHUNK_BUDGET_MB = Setting("LIGER_CHUNK_BUDGET_MB", positive_number, "a positive number of MiB", 512.0,
-                          "memory budget for a chunk's logits buffers in the fused-linear composition")
+                          "memory budget for a chunk's logits buffers in the fused-linear composition (the "
+                          "vocabulary-chunk one: beyond its weight gradient's memory)")
 CHUNK_ROWS = Setting("LIGER_CHUNK_ROWS", positive_int, "a positive integer", None,
                      "force the rows of a chunk of the fused-linear composition (tests, tuning)")
 CHUNK_COLUMNS = Setting("LIGER_CHUNK_COLUMNS", positive_int, "a positive integer", None,
