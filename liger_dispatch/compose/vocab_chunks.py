@@ -39,30 +39,32 @@ def _aligned(offset: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one call's logits go in its buffer of `nbytes` bytes: slice j ([start, end) of the vocabulary) at byte
-    offsets[j] if kept (j < len(offsets)), else at `recompute`; dW [V, H] in the first `grad_bytes` (none: dW is
-    not in the buffer)."""
+    """Where one call's logits ([rows, V] of `dtype`) go in its buffer of `nbytes` bytes: slice j ([start, end) of
+    the vocabulary) at byte offsets[j] if kept (j < len(offsets)), else at `recompute`; dW [V, H] in the first
+    `grad_bytes` (none: dW is not in the buffer)."""
 
+    rows: int
+    dtype: torch.dtype
     slices: tuple[tuple[int, int], ...]
     offsets: tuple[int, ...]
     recompute: int
     grad_bytes: int
     nbytes: int
 
-    def logits(self, buffer: torch.Tensor, j: int, n_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    def _span(self, j: int) -> tuple[int, int]:
         start, end = self.slices[j]
         offset = self.offsets[j] if j < len(self.offsets) else self.recompute
-        size = n_rows * (end - start) * dtype.itemsize
-        return buffer[offset:offset + size].view(dtype).view(n_rows, end - start)
+        return offset, offset + self.rows * (end - start) * self.dtype.itemsize
 
-    def gaps(self, n_rows: int, itemsize: int) -> list[tuple[int, int]]:
+    def logits(self, buffer: torch.Tensor, j: int) -> torch.Tensor:
+        begin, finish = self._span(j)
+        start, end = self.slices[j]
+        return buffer[begin:finish].view(self.dtype).view(self.rows, end - start)
+
+    def gaps(self) -> list[tuple[int, int]]:
         """The byte ranges no logits are written to (zeroed by the forward: the buffer is an output of the op, which
         must not depend on what memory held before)."""
-        written = [(offset, offset + n_rows * (end - start) * itemsize)
-                   for offset, (start, end) in zip(self.offsets, self.slices)]
-        if len(self.offsets) < len(self.slices):
-            start, end = self.slices[len(self.offsets)]
-            written.append((self.recompute, self.recompute + n_rows * (end - start) * itemsize))
+        written = [self._span(j) for j in range(min(len(self.offsets) + 1, len(self.slices)))]
         gaps, at = [], 0
         for start, end in sorted(written) + [(self.nbytes, self.nbytes)]:
             if start > at:
@@ -92,14 +94,14 @@ def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + _aligned(size))
-        return Layout(slices, tuple(offsets), 0, 0, offsets[-1] + sizes[-1])
+        return Layout(n_rows, x.dtype, slices, tuple(offsets), 0, 0, offsets[-1] + sizes[-1])
     limit = grad_bytes + budget - (n_rows * hidden * 4 if len(slices) > 1 else 0)
     offsets, end = [], 0
     for (_, end_column), size in zip(slices, sizes):  # past dW's slices 0..j (written before j is read), past j-1
         offsets.append(_aligned(max(end_column * hidden * grad, end)))
         end = offsets[-1] + size
     if end <= limit:
-        return Layout(slices, tuple(offsets), 0, grad_bytes, max(grad_bytes, end))
+        return Layout(n_rows, x.dtype, slices, tuple(offsets), 0, grad_bytes, max(grad_bytes, end))
 
     def recompute_at(kept: int) -> int:  # past dW and the kept slices
         return _aligned(max(grad_bytes, offsets[kept - 1] + sizes[kept - 1] if kept else 0))
@@ -107,7 +109,8 @@ def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
     kept = len(offsets)
     while kept and recompute_at(kept) + sizes[0] > limit:
         kept -= 1
-    return Layout(slices, tuple(offsets[:kept]), recompute_at(kept), grad_bytes, recompute_at(kept) + sizes[0])
+    at = recompute_at(kept)
+    return Layout(n_rows, x.dtype, slices, tuple(offsets[:kept]), at, grad_bytes, at + sizes[0])
 
 
 def _slices(vocab: int, width: int) -> list[tuple[int, int]]:
@@ -128,11 +131,11 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     stats_of(logits [N, end - start], start) -> [N, k]: one slice's statistics; combine([S, N, k]) -> [N, k]."""
     plan = layout(x, weight)
     buffer = torch.empty(plan.nbytes, dtype=torch.uint8, device=x.device)
-    for start, end in plan.gaps(x.shape[0], x.element_size()):
+    for start, end in plan.gaps():
         buffer[start:end].zero_()
     parts = []
     for j, (start, end) in enumerate(plan.slices):
-        logits = plan.logits(buffer, j, x.shape[0], x.dtype)
+        logits = plan.logits(buffer, j)
         linear_into(x, *_rows_of(weight, bias, start, end), logits)
         parts.append(stats_of(logits, start))
     return (parts[0] if len(parts) == 1 else combine(torch.stack(parts))), buffer
@@ -156,7 +159,7 @@ def backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     db = torch.empty(weight.shape[0], dtype=grad_bounds.wide(x), device=x.device) if want_db else None
     for j, (start, end) in enumerate(plan.slices):
         w_c, b_c = _rows_of(weight, bias, start, end)
-        logits = plan.logits(buffer, j, x.shape[0], x.dtype)
+        logits = plan.logits(buffer, j)
         if j >= len(plan.offsets):
             linear_into(x, w_c, b_c, logits)
         grad_of(logits, start)

@@ -63,10 +63,7 @@ class Kernels:
             # the versions after selecting: its discovery may have imported (and registered) backends
             made = self.made[place] = (spec, plan, TABLE.version, selection.generation)
         plan = made[1]
-        if plan.fallback is not None:
-            plan.fallback()
-        if spec.value_check is not None:
-            spec.value_check(spec.schema.bind(args, kwargs))
+        _checked(spec, plan, args, kwargs)
         return plan.fn(*args, **kwargs)
 
 
@@ -163,11 +160,17 @@ def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable
     """The implementation that serves this call of a kernel-level op, from the plan of its signature (made on its
     first call), after its fallback warning (or strict error) and value checks."""
     plan = _kernel_plan(spec, pinned, args, kwargs)
+    _checked(spec, plan, args, kwargs)
+    return plan.fn
+
+
+def _checked(spec, plan: Plan, args: tuple, kwargs: dict) -> None:
+    """What every call of a kernel-level op runs, its plan remembered or not: its fallback's warning (or strict
+    error), then its value checks."""
     if plan.fallback is not None:
         plan.fallback()
     if spec.value_check is not None:
         value_checks(spec, plan, spec.schema.bind(args, kwargs))
-    return plan.fn
 
 
 _checking = threading.local()  # .at: [the Kernels of the plan whose value checks run now on this thread, places used]

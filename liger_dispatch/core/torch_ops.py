@@ -248,10 +248,7 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
 
 def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
     """A call of a signature planned before: its fallback warning and value checks, then the plan."""
-    if plan.fallback is not None:
-        plan.fallback()
-    if spec.value_check is not None:
-        calls.value_checks(spec, plan, a)
+    _checked(spec, plan, a)
     return plan.launch(a, args, kwargs)
 
 
