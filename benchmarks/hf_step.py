@@ -12,6 +12,8 @@ step first (loss, lm_head gradient):
   liger-kernel, flce only      apply_liger_kernel_to_llama(model=..., fused_linear_cross_entropy only)
   liger-kernel, all kernels    apply_liger_kernel_to_llama(model=...) defaults: also its RoPE, RMSNorm, SwiGLU;
                                last, because it cannot be undone. Skipped, with a note, without liger-kernel.
+  ..., torch.compile           with --compile: the unpatched model and ours (auto) again, with
+                               model.forward = torch.compile(model.forward)
 
 Time: median (p20-p80) of CUDA-event timings after warm-up (liger_dispatch.timing); peak: max_memory_allocated during one
 step above what the weights and inputs hold before it (gradients are freed between steps, so they count).
@@ -72,6 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", help="our backends to patch with (default: all that can serve flce here)")
     p.add_argument("--warmup-ms", type=float, default=200.0)
     p.add_argument("--rep-ms", type=float, default=1500.0, help="timed repetitions' total time per variant")
+    p.add_argument("--compile", action="store_true", help="also the unpatched and the patched (auto) model compiled")
     return p.parse_args(argv)
 
 
@@ -104,6 +107,21 @@ def patched(model, backend: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def compiled(model, patching: Callable) -> Iterator[None]:
+    """model.forward = torch.compile(model.forward) within `patching(model)`, as a user compiles a training step."""
+    with patching(model):
+        previous = vars(model).get("forward")
+        model.forward = torch.compile(model.forward)
+        try:
+            yield
+        finally:
+            if previous is None:
+                vars(model).pop("forward")
+            else:
+                model.forward = previous
+
+
+@contextlib.contextmanager
 def liger_flce_only(model) -> Iterator[None]:
     from liger_kernel.transformers import apply_liger_kernel_to_llama
 
@@ -123,9 +141,13 @@ def liger_all_kernels(model) -> Iterator[None]:
     yield
 
 
-def variants(backends: list[str], notes: list[str]) -> list[tuple[str, Callable]]:
+def variants(backends: list[str], notes: list[str], compile: bool) -> list[tuple[str, Callable]]:
     rows = [(UNPATCHED, unpatched)]
     rows += [(f"patched, {b}", lambda m, b=b: patched(m, b)) for b in backends]
+    if compile:
+        rows += [(f"{UNPATCHED}, torch.compile", lambda m: compiled(m, unpatched)),
+                 ("patched, auto", lambda m: patched(m, None)),
+                 ("patched, auto, torch.compile", lambda m: compiled(m, lambda m: patched(m, None)))]
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError as error:
@@ -185,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, tokens = build(setup, device)
     backends = args.backends or dispatch.available_backends("flce", device=device, dtype=setup.dtype)
     notes: list[str] = []
-    (_, baseline), *others = variants(backends, notes)
+    (_, baseline), *others = variants(backends, notes, args.compile)
     print(f"{UNPATCHED} ...", flush=True)
     with baseline(model):
         base = measure(model, tokens, device, args)

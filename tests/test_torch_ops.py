@@ -168,9 +168,10 @@ def test_opcheck_mhc():
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_backward_op_outputs_are_aligned_and_unaliased(backend):
     """Inductor asserts that an op's outputs start on 16 bytes; a backend's gradients may be views into one buffer its
-    kernel fills at once (the mHC alphas'), so the backward op hands out separate, aligned tensors."""
+    kernel fills at once (the mHC alphas'), so the backward op hands out separate, aligned tensors. (Under autograd the
+    op's saved outputs are autograd's, and empty: the inputs here need no gradient.)"""
     handle_here("mhc_coeffs", backend)
-    x, phi, b, *alphas = mhc_inputs()
+    x, phi, b, *alphas = (t.detach() for t in mhc_inputs())
     *coeffs, mix, rstd = torch.ops.liger_dispatch.mhc_coeffs(x, phi, b, *alphas, tmax=3, backend=backend)
     upstream = [torch.randn_like(c) for c in coeffs]
     grads = torch.ops.liger_dispatch.mhc_coeffs_backward(x, phi, b, *alphas, mix, rstd, *upstream, tmax=3,

@@ -1,18 +1,23 @@
 """Every op as a PyTorch op, `torch.ops.liger_dispatch.<op>`, and the eager path into the same implementations.
 
-Two ways in, one set of implementations:
+Two ways in, one set of implementations and one autograd definition per kind of op (a loss with its gradients
+computed in the forward pass, its per-row form, an op with a backward of its own), the same in both:
 - eager (what a dispatch handle does outside torch.compile: `plan` on a signature's first call, `replay` on the
-  next ones, calls.py): select, then call the implementation, under a light autograd.Function for the user-level
-  ops. Going through the torch.library dispatcher costs ~20 us more host
-  time per call than an autograd.Function, more than a loss op's whole host budget.
+  next ones, calls.py): select, then call the implementation under the op's autograd.Function. Going through the
+  torch.library dispatcher costs ~20 us more host time per call, more than a loss op's whole host budget.
 - traced (`call`, what a handle does while torch.compile traces it): torch.ops.liger_dispatch.<op>, an opaque op
-  with a fake implementation and registered autograd. Its implementation selects when it runs, so `use_backend`,
-  LIGER_BACKEND and a handle's `backend=` (passed as the op's `backend` argument) hold in compiled code too.
+  with a fake implementation, whose autograd kernel runs the same autograd.Function around the op below autograd.
+  Its implementation selects when it runs, so `use_backend`, LIGER_BACKEND and a handle's `backend=` (passed as
+  the op's `backend` argument) hold in compiled code too.
+Both backwards change what their forward kept (a loss scales its gradients in place, the log-prob op's backward
+overwrites its logits buffer): a second backward through one call is an error, and in compiled code
+functionalization keeps the graph correct.
 
 The torch.library schema of an op is its own schema plus, keyword-only, its implementations' extra parameters and
 `str? backend=None`. A fused-linear loss computes its gradients in the forward pass, so its op returns them after
 its outputs (the loss, then any statistics without a gradient; empty tensors for the gradients not asked for by
 `need_grads`); an op with a backward of its own returns what its backward needs (OpSpec.saved) after its outputs.
+Called with an input that requires a gradient, the op returns those extra tensors empty: autograd keeps them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import operator
 from typing import Callable, Optional
 
 import torch
+from torch._library.utils import fill_defaults
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
 from liger_dispatch.core import selection
@@ -52,7 +58,7 @@ def _needs(spec: OpSpec, a: Args) -> tuple[bool, ...]:
     return tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in (getattr(a, n) for n in spec.differentiable))
 
 
-# -- eager ----------------------------------------------------------------------------------------------------------
+# -- autograd: one definition per kind of op, for eager and traced calls ----------------------------------------------
 def once_differentiable(op: str) -> None:
     """In a backward: a double backward (create_graph=True) is an error naming the op, not a gradient that silently
     does not depend on the inputs (the backward runs with grad mode on exactly then)."""
@@ -62,90 +68,102 @@ def once_differentiable(op: str) -> None:
                                   "gradient penalty with another op")
 
 
+def _once(ctx, what: str) -> None:
+    """A backward that changes what its forward kept runs once: a second one (retain_graph=True) is an error."""
+    if getattr(ctx, "done", False):
+        raise RuntimeError(f"liger_dispatch: {what}, so it cannot be backpropagated twice (retain_graph=True); call "
+                           "the op again instead")
+    ctx.done = True
+
+
+def _returned(results: tuple, outputs: int, returned: int) -> tuple:
+    """What an autograd.Function returns of an op's results: its `outputs`, then, up to `returned` (a torch op
+    returns what it saves), an empty tensor for each saved one: autograd owns those now, and a backward that changes
+    one (a gradient scaled in place, a buffer overwritten) must not change a tensor the caller holds."""
+    return (*results[:outputs], *(results[0].new_empty(0) for _ in range(returned - outputs)))
+
+
+def _wanted(grads, needs) -> tuple:
+    """Each gradient where its input needs one, else None (a torch op returns an empty tensor for a gradient not
+    asked for, and for an input left out, which must get None)."""
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 class _GradsInForward(torch.autograd.Function):
-    """loss (and the op's other `outputs`, without a gradient), with the gradients its implementation computed in the
-    forward pass scaled by grad_loss in the backward."""
+    """A loss whose implementation computes its gradients in the forward pass: `run()` returns its outputs, then one
+    gradient per differentiable input; the function returns the first `returned` results (the loss, then statistics
+    and gradients without a gradient of their own). The backward scales the gradients by grad_loss in place:
+    grad_loss is almost always 1 (loss.backward()) and a scale of a [V, H] weight gradient costs a full read and
+    write of it (~0.5 ms at a 128k x 4k head), while testing grad_loss == 1 on the host is a device sync; the
+    scale_grad kernel reads it on the device and returns at once when it is 1 (registry/support.py)."""
 
     @staticmethod
-    def forward(ctx, run, planned, outputs, *tensors):
+    def forward(ctx, op, run, scale, outputs, returned, *tensors):
         results = run()
         ctx.save_for_backward(*results[outputs:])
-        ctx.planned = planned  # (the op's name, the plan's calls.Kernels for the gradients' scale_grad)
-        if outputs == 1:
+        ctx.op, ctx.scale = op, scale
+        if returned == 1:
             return results[0]
-        ctx.mark_non_differentiable(*results[1:outputs])
-        return tuple(results[:outputs])
+        returning = _returned(results, outputs, returned)
+        ctx.mark_non_differentiable(*returning[1:])
+        return returning
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        once_differentiable(ctx.planned[0])
-        return None, None, None, *_scaled(ctx, grad_loss)
+        once_differentiable(ctx.op)
+        _once(ctx, f"{ctx.op} scales the gradients it computed in the forward pass in place")
+        grads = _wanted(ctx.saved_tensors, ctx.needs_input_grad[5:])
+        for place, grad in enumerate(grads):
+            if grad is not None:
+                ctx.scale(place, grad, grad_loss)
+        return None, None, None, None, None, *grads
 
 
 class _RowLosses(torch.autograd.Function):
-    """Per-row losses; the backward recomputes the gradient of sum_i grad_i * loss_i."""
+    """Per-row losses (reduction="none"): `run()` returns them and the op's statistics (the first `returned`
+    results); the backward recomputes the gradient of sum_i grad_i * loss_i with `backward(grad_rows, needs)`."""
 
     @staticmethod
-    def forward(ctx, op, run, backward, *tensors):
+    def forward(ctx, op, run, backward, returned, *tensors):
         ctx.run_backward, ctx.op = backward, op
         rows = run()
-        if isinstance(rows, tuple):  # the op's statistics after the losses
-            ctx.mark_non_differentiable(*rows[1:])
-        return rows
+        ctx.mark_non_differentiable(*rows[1:returned])
+        return rows[0] if returned == 1 else tuple(rows[:returned])
 
     @staticmethod
     def backward(ctx, grad_rows, *_):
         once_differentiable(ctx.op)
-        return None, None, None, *ctx.run_backward(grad_rows, ctx.needs_input_grad[3:])
+        needs = ctx.needs_input_grad[4:]
+        return None, None, None, None, *_wanted(ctx.run_backward(grad_rows, needs), needs)
 
 
 class _WithBackward(torch.autograd.Function):
-    """An op whose implementation has a backward of its own: its first `outputs` results, the rest saved for it."""
+    """An op whose implementation has a backward of its own: `run()` returns its `outputs`, then what that backward
+    needs (OpSpec.saved), and the function returns the first `returned` results; `backward(saved, grads, needs)`
+    gives one gradient per differentiable tensor, at `where` among the inputs. `once`: the backward overwrites what
+    the forward kept (a saved tensor declared "Tensor(a!)")."""
 
     @staticmethod
-    def forward(ctx, op, fn, options, outputs, where, once, *tensors):
-        results = fn(*tensors, **options)
+    def forward(ctx, op, run, backward, outputs, returned, where, once, *tensors):
+        results = run()
         ctx.save_for_backward(*tensors, *results[outputs:])
-        ctx.fn, ctx.options, ctx.where, ctx.once, ctx.op = fn, options, where, once, op
+        ctx.op, ctx.run_backward, ctx.outputs, ctx.where, ctx.once = op, backward, outputs, where, once
+        returning = _returned(results, outputs, returned)
+        ctx.mark_non_differentiable(*returning[outputs:])
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-        return tuple(results[:outputs])
+        return returning
 
     @staticmethod
     def backward(ctx, *grads):
         once_differentiable(ctx.op)
-        if ctx.once:  # its backward overwrites what it saved (OpSpec.saved "Tensor(a!)")
-            if getattr(ctx, "done", False):
-                raise RuntimeError(f"liger_dispatch: {ctx.op}'s backward overwrites what its forward kept, so it "
-                                   "cannot be backpropagated twice (retain_graph=True); call the op again instead")
-            ctx.done = True
-        result = [None] * (len(ctx.needs_input_grad) - 6)  # one per input tensor
-        need = tuple(ctx.needs_input_grad[6 + i] for i in ctx.where)
-        for i, g in zip(ctx.where, ctx.fn.backward(*ctx.saved_tensors, *grads, need_grads=need, **ctx.options)):
-            result[i] = g
-        return None, None, None, None, None, None, *result
-
-
-def _scaled(ctx, grad_loss: torch.Tensor) -> list:
-    """ctx's saved gradients (None where not computed) times grad_loss, in place; a second backward raises.
-
-    grad_loss is almost always 1 (loss.backward()), and a scale of a [V, H] weight gradient costs a full read and
-    write of it (~0.5 ms at a 128k x 4k head), while testing grad_loss == 1 on the host is a device sync: the
-    scale_grad kernel reads it on the device and returns at once when it is 1 (registry/support.py). In place: the
-    saved gradients are the op's outputs, and a second backward through the same node (retain_graph=True) is
-    refused rather than scaled twice. A backward traced by torch.compile may not change what its forward saved,
-    so the torch.library ops scale out of place there (_define_loss). Each gradient's scale_grad is selected once
-    per signature of the forward (the plan's calls.Kernels, ctx.planned[1])."""
-    if getattr(ctx, "scaled", False):
-        raise RuntimeError("liger_dispatch: a fused-linear loss computes its gradients in the forward pass and "
-                           "scales them in place in the backward, so it cannot be backpropagated twice "
-                           "(retain_graph=True); compute the loss again instead")
-    ctx.scaled = True
-    grads = ctx.saved_tensors
-    scale, scales = TABLE.spec("scale_grad"), ctx.planned[1]
-    for i, g in enumerate(grads):
-        if g is not None:
-            scales.run(i, scale, (g, grad_loss), {})
-    return list(grads)
+        if ctx.once:
+            _once(ctx, f"{ctx.op}'s backward overwrites what its forward kept")
+        first = 7
+        need = tuple(ctx.needs_input_grad[first + i] for i in ctx.where)
+        result = [None] * (len(ctx.needs_input_grad) - first)  # one per input tensor
+        for i, g, w in zip(ctx.where, ctx.run_backward(ctx.saved_tensors, grads[:ctx.outputs], need), need):
+            result[i] = g if w else None
+        return None, None, None, None, None, None, None, *result
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
@@ -164,6 +182,7 @@ def _apply(function, head: tuple, tensors: tuple):
     return _DIRECT[function](*head, *tensors)
 
 
+# -- eager ----------------------------------------------------------------------------------------------------------
 def _checked(spec: OpSpec, plan: Plan, a: Args) -> None:
     """What every call runs, remembered or not: its fallback's warning (or error), then the op's value checks."""
     if plan.fallback is not None:
@@ -271,12 +290,16 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Cal
                 summed = {**kwargs, "reduction": "sum"}
                 return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[outputs:]
 
-            return _apply(_RowLosses, (spec.name, lambda: own_outputs(fn(*args, **kwargs)), backward), tensors(a))
+            return _apply(_RowLosses, (spec.name, lambda: fn(*args, **kwargs), backward, outputs), tensors(a))
 
         return launch_rows
-    planned = (spec.name, scales)
-    return lambda a, args, kwargs: _apply(_GradsInForward, (lambda: fn(*args, **kwargs, need_grads=need), planned,
-                                                            outputs), tensors(a))
+    scale_spec = TABLE.spec("scale_grad")
+
+    def scale(place, grad, grad_loss):  # each gradient's scale_grad selected once per signature
+        scales.run(place, scale_spec, (grad, grad_loss), {})
+
+    return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need),
+                                                            scale, outputs, outputs), tensors(a))
 
 
 def _own_outputs(count: int) -> Callable[[tuple], object]:
@@ -292,7 +315,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = _returns(spec.schema_text)
     where = _differentiable_places(spec)
-    once = spec.name if "(a!)" in spec.saved else None
+    once = "(a!)" in spec.saved
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -302,7 +325,12 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
         options = fixed if fixed is not None else spec.schema.call_args(a)[1]
         if not grads:
             return fn(*tensors, **options)[:outputs]
-        return _apply(_WithBackward, (spec.name, fn, options, outputs, where, once), tensors)
+
+        def backward(saved, grad_outputs, needs):
+            return fn.backward(*saved, *grad_outputs, need_grads=needs, **options)
+
+        return _apply(_WithBackward, (spec.name, lambda: fn(*tensors, **options), backward, outputs, outputs, where,
+                                      once), tensors)
 
     return launch
 
@@ -400,39 +428,46 @@ def _define_loss(spec: OpSpec) -> None:
         grads = [torch.empty_like(t, dtype=grad_dtype(t)) if w else None for w, t in zip(need, inputs)]
         return outputs(a, need, _as_tuple(spec.fake(a)), grads)
 
-    where = [spec.schema.positional.index(n) for n in spec.differentiable]  # each one's place among the inputs
-
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        ctx.rows = keyword_only_inputs.get("reduction") == "none" and "row_weights" in spec.extra.names
-        if ctx.rows:
-            ctx.inputs, ctx.keywords = inputs, keyword_only_inputs
-        else:
-            ctx.save_for_backward(*output[returned:])
-        ctx.mark_non_differentiable(*output[1:])
-
-    def backward(ctx, grad_loss, *_):
-        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
-        # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
-        passed = len(ctx.needs_input_grad)
-        need = [i < passed and ctx.needs_input_grad[i] for i in where]
-        if ctx.rows:
-            keywords = {**ctx.keywords, "reduction": "sum", "need_grads": need}
-            inputs = ctx.inputs[: len(spec.schema.positional)]
-            grads = getattr(torch.ops.liger_dispatch, spec.name)(*inputs, grad_loss, **keywords)[returned:]
-        else:
-            # out of place: a traced backward may not change what the forward saved
-            grads = [g * grad_loss.to(g.dtype) if w else None for g, w in zip(ctx.saved_tensors, need)]
-        result = [None] * passed
-        for i, g, w in zip(where, grads, need):
-            if w:
-                result[i] = g
-        return tuple(result)
-
     returns = "(" + ", ".join(["Tensor"] * (returned + count)) + ")"
     _LIB.define(_torch_schema(spec, returns))
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
-    torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
+    op = getattr(torch.ops.liger_dispatch, spec.name).default
+    own = len(spec.schema.positional)
+
+    def under_autograd(run, args, kwargs, tensors):
+        if kwargs.get("reduction") == "none" and "row_weights" in spec.extra.names:
+            def backward(grad_rows, needs):  # row_weights: the first tensor after the op's own
+                return op(*args[:own], grad_rows, **{**kwargs, "reduction": "sum", "need_grads": needs})[returned:]
+
+            return _RowLosses.apply(spec.name, run, backward, returned + count, *tensors)
+        return _GradsInForward.apply(spec.name, run, _scale, returned, returned + count, *tensors)
+
+    _register_autograd(spec, op, under_autograd)
+
+
+def _scale(place: int, grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    torch.ops.liger_dispatch.scale_grad(grad, grad_loss)
+
+
+def _register_autograd(spec: OpSpec, op, under_autograd: Callable) -> None:
+    """The torch op's autograd: a call with a differentiable input that requires a gradient runs under the
+    autograd.Function of the op's kind (the one an eager call runs), `under_autograd(run, args, kwargs, tensors)`,
+    whose forward, `run`, is the op below autograd."""
+    where = _differentiable_places(spec)
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        def run():
+            with torch._C._AutoDispatchBelowAutograd():
+                return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+        tensors = tuple(args[i] if i < len(args) else None for i in where)  # the dispatcher drops trailing defaults
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+            return run()
+        args, kwargs = fill_defaults(op._schema, args, kwargs)
+        return under_autograd(run, args, kwargs, tensors)
+
+    _LIB.impl(spec.name, autograd_kernel, "Autograd", with_keyset=True)
 
 
 def _differentiable_places(spec: OpSpec) -> list[int]:
@@ -458,13 +493,11 @@ def _define_with_backward(spec: OpSpec) -> None:
     """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
     its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
     optional gradient per output, and returning one gradient per differentiable input. A saved tensor declared
-    `Tensor(a!)` is one the implementation's backward overwrites (eager autograd hands it over); a traced backward
-    may not change what the forward saved, so this one gives the backward a copy."""
+    `Tensor(a!)` is one the implementation's backward overwrites (so it runs once, in eager and compiled code)."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
     outputs = _returns(spec.schema_text)
-    saved = [p.strip().replace("(a!)", "") for p in spec.saved.split(",")]
-    overwritten = [len(positional) + i for i, p in enumerate(spec.saved.split(",")) if "(a!)" in p]
+    saved = [p.strip() for p in spec.saved.split(",")]
 
     def impl(*args, **kwargs):
         a, pinned, _ = _bind(spec, args, kwargs)
@@ -492,10 +525,9 @@ def _define_with_backward(spec: OpSpec) -> None:
         pinned = selection.parse_backends(backend)
         fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
                                     spec.schema.bind(tensors, options), pinned)
-        copies = [t.clone() if i in overwritten else t for i, t in enumerate(args)]
-        grads = fn.backward(*copies, need_grads=tuple(need_grads), **options)
+        grads = fn.backward(*args, need_grads=tuple(need_grads), **options)
         # an input left out (None) or not needing a gradient gets an empty tensor: a torch op returns tensors; a
-        # gradient may be a view of a copy made here (vocab_chunks' dW), which no input aliases
+        # gradient that is a view of what the backward overwrote (vocab_chunks' dW) is copied out of it
         return _unaliased(tuple(_grad_or_empty(g if w else None, tensors[i], args[0])
                                 for i, g, w in zip(where, grads, need_grads)), args)
 
@@ -503,29 +535,21 @@ def _define_with_backward(spec: OpSpec) -> None:
         return tuple(args[0].new_empty(0) if args[i] is None or not w else args[i].new_empty(args[i].shape)
                      for i, w in zip(where, need_grads))
 
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        ctx.save_for_backward(*inputs, *output[outputs:])
-        ctx.keywords = keyword_only_inputs
-        ctx.mark_non_differentiable(*output[outputs:])
-        ctx.set_materialize_grads(False)
-
-    def backward(ctx, *grad_outputs):
-        once_differentiable(spec.name)  # eager calls of the torch op (a compiled backward: torch's own error)
-        saved = ctx.saved_tensors
-        # the dispatcher drops trailing arguments left at their defaults (bias=None): needs_input_grad is shorter
-        need = [i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i] for i in where]
-        grads = getattr(torch.ops.liger_dispatch, backward_name)(*saved, *grad_outputs[:outputs], need_grads=need,
-                                                                 **ctx.keywords)
-        result = [None] * len(positional)
-        for i, g, w in zip(where, grads, need):
-            result[i] = g if w and saved[i] is not None else None  # one left out (bias=None) got an empty tensor
-        return tuple(result[: len(ctx.needs_input_grad)])
-
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
     torch.library.register_fake(f"{NAMESPACE}::{backward_name}", backward_fake, lib=_LIB)
-    torch.library.register_autograd(f"{NAMESPACE}::{spec.name}", backward, setup_context=setup_context, lib=_LIB)
+    op, backward_op = (getattr(torch.ops.liger_dispatch, n).default for n in (spec.name, backward_name))
+    once = "(a!)" in spec.saved
+
+    def under_autograd(run, args, kwargs, tensors):
+        def backward(saved_tensors, grad_outputs, needs):
+            return backward_op(*saved_tensors, *grad_outputs, need_grads=list(needs), **kwargs)
+
+        returned = outputs + len(saved)
+        return _WithBackward.apply(spec.name, run, backward, outputs, returned, where, once, *args[:len(positional)])
+
+    _register_autograd(spec, op, under_autograd)
 
 
 _defined: set[str] = set()
