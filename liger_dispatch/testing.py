@@ -19,9 +19,8 @@ For each op the backend serves, four checks, each a row of the result:
 - cuda graph (CUDA only): a capture of the same call, forward and backward, replayed, equal to eager.
 Everything runs under LIGER_STRICT=1, so a call the backend cannot serve is a failure, not a silent fallback.
 
-tests/test_conformance.py drives the same cases over the in-tree backends: one source of truth. Each op family
-module in registry/ declares its ops' cases and samples (CASES, SAMPLES, made of registry/cases.py's pieces);
-CASES and KERNEL_SAMPLES here are all of them, by op.
+tests/test_conformance.py drives the same cases over the in-tree backends. Each op family module in registry/
+declares its ops' cases and samples (CASES, SAMPLES); CASES and KERNEL_SAMPLES here are all of them, by op.
 """
 
 from __future__ import annotations
@@ -237,8 +236,7 @@ def unavailable(op, backend, device, dtype) -> Optional[str]:
     reason = f"{backend} cannot serve {op} on {device.type} in {dtype_name(dtype)}"
     try:
         args, kwargs = sample_call(op, device, dtype)
-        explanation = dispatch.op(op).explain(*args, **kwargs)
-        lines = [line.split("cannot serve: ", 1)[1] for line in explanation.lines
+        lines = [line.split("cannot serve: ", 1)[1] for line in dispatch.op(op).explain(*args, **kwargs).lines
                  if line.lstrip().startswith((f"{backend} ", f"{backend}:")) and "cannot serve: " in line]
         if lines:
             reason += f": {lines[0]}"
@@ -261,8 +259,7 @@ def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
             return KERNEL_SAMPLES[spec.name](small)
         case = next(c for c in CASES[spec.name] if c.sample)
         inputs, options = case.build(small)
-    args = tuple(leaf(v, k in case.grads) if isinstance(v, torch.Tensor) else v for k, v in inputs.items())
-    return args, options
+    return tuple(_copies(inputs, case.grads).values()), options
 
 
 def _written(op) -> list:
@@ -294,8 +291,7 @@ def _tensors(out) -> tuple:
 
 
 def _outputs_and_grads(fn, args):
-    """fn(*args)'s tensor outputs and the gradients of its inputs that require grad (each output weighted by its
-    position)."""
+    """fn(*args)'s tensor outputs and the gradients of its inputs that require grad (outputs weighted by position)."""
     outs = _tensors(fn(*args))
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     if not leaves:
