@@ -54,13 +54,6 @@ def tuned_ops() -> list[str]:
     return [name for name in TABLE.op_names("user") if TABLE.spec(name).tuning is not None]
 
 
-def point_groups(args, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[torch.device], Iterator[Point]]]]:
-    """(op, make): make(device) yields the points of one allocation (the points of one group share its inputs)."""
-    for op in args.ops:
-        for make in TABLE.spec(op).tuning.groups(args, dtype):
-            yield op, make
-
-
 def _bytes(point: Point) -> int:
     """The point's inputs and the gradients its leaves receive."""
     return point.inputs.nbytes() + sum(t.numel() * t.element_size() for t in point.inputs.leaves)
@@ -198,6 +191,37 @@ def merged(path: Path, key: dict, entries: list[dict]) -> list[dict]:
     return [e for e in old_entries if (e["op"], e["dtype"], e["n"], e["bucket"]) not in fresh] + entries
 
 
+def tune_group(make: Callable[[torch.device], Iterator[Point]], usable: list[str], unavailable: dict[str, str],
+               dtype: torch.dtype, device: torch.device, budget: Budget, entries: list[dict]) -> int:
+    """Adds the entries of the points make(device) yields (one allocation); how many the budget did not reach."""
+    sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
+    why = too_large(sized, device)
+    if why:
+        print(f"  {why}")
+        return 0
+    why = budget.short(sized, [REFERENCE, *usable])
+    if why:
+        print(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
+        return len(sized)
+    left = 0
+    try:
+        for point in make(device):
+            print(f"  {point.describe()}")
+            for backend, reason in unavailable.items():
+                print(f"    {backend}: NOT AVAILABLE here ({reason}); the entry will not order calls where it is")
+            times = measure(point, usable, dtype, device, budget, print)
+            left += times is None
+            if times:
+                entries.append(entry(point, dtype, times, unavailable))
+            point = None
+    except Exception as exc:  # making the inputs ran out of memory, say
+        print(f"  {sized[0].op}: FAILED ({_describe(exc)})")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return left
+
+
 def _refuse(why: str) -> int:
     print(f"{PROG}: {why}; no table written", file=sys.stderr)
     return 1
@@ -227,36 +251,9 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
     entries, left = [], 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # a backend that falls back is reported, not timed
-        for op, make in point_groups(args, dtype):
-            usable, unavailable = plan[op]
-            if not usable:
-                continue  # said before the loop
-            sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
-            why = too_large(sized, device)
-            if why:
-                print(f"  {why}")
-                continue
-            why = budget.short(sized, [REFERENCE, *usable])
-            if why:
-                print(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
-                left += len(sized)
-                continue
-            try:
-                for point in make(device):
-                    print(f"  {point.describe()}")
-                    for backend, reason in unavailable.items():
-                        print(f"    {backend}: NOT AVAILABLE here ({reason}); "
-                              "the entry will not order calls where it is")
-                    times = measure(point, usable, dtype, device, budget, print)
-                    left += times is None
-                    if times:
-                        entries.append(entry(point, dtype, times, unavailable))
-                    point = None
-            except Exception as exc:  # making the inputs ran out of memory, say
-                print(f"  {op}: FAILED ({_describe(exc)})")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for op in (op for op in args.ops if plan[op][0]):  # the others: said above
+            for make in TABLE.spec(op).tuning.groups(args, dtype):  # make(device) yields points sharing inputs
+                left += tune_group(make, *plan[op], dtype, device, budget, entries)
     if left:
         print(f"time budget ({args.budget_s:.0f} s) spent: {left} points not reached")
     if not entries:
