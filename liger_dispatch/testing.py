@@ -19,24 +19,29 @@ For each op the backend serves, four checks, each a row of the result:
 - cuda graph (CUDA only): a capture of the same call, forward and backward, replayed, equal to eager.
 Everything runs under LIGER_STRICT=1, so a call the backend cannot serve is a failure, not a silent fallback.
 
-tests/test_conformance.py drives the same cases over the in-tree backends: one source of truth. Each op family
-module in registry/ declares its ops' cases and samples (CASES, SAMPLES, made of registry/cases.py's pieces);
-CASES and KERNEL_SAMPLES here are all of them, by op.
+tests/test_conformance.py drives the same cases over the in-tree backends. Each op family module in registry/
+declares its ops' cases and samples (CASES, SAMPLES); CASES and KERNEL_SAMPLES here are all of them, by op.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import importlib.util
 import math
 import os
+import sys
 import zlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from liger_dispatch import dispatch, registry
 from liger_dispatch.backends.reference import formulas
+from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
 from liger_dispatch.registry.cases import Case, Inputs, leaf
@@ -102,6 +107,16 @@ def worst(measurements: Sequence[Measurement]) -> Measurement:
     return max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
 
 
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _copies(inputs: dict, grad_names, widen=False) -> dict:
+    """Fresh leaves of the inputs' tensors, requiring grad where named; widen: floating ones in float64."""
+    return {k: leaf(v.double() if widen and v.is_floating_point() else v, k in grad_names)
+            if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
 def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None,
             row_upstream=1.0) -> list[Measurement]:
     """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same upstream
@@ -109,54 +124,45 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
     a scalar) and measures outputs and the gradients of `grad_names` against the float64 truth. used: the outputs
     backpropagated through (default all: the others' gradients are absent)."""
     tol = TOLERANCE[dtype]
-    mine = {k: leaf(v, k in grad_names) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    oracle = torch.float64  # the truth from the same (already rounded) inputs
-    theirs = {k: leaf(v.to(oracle) if v.is_floating_point() else v, k in grad_names)
-              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    got = dispatch.op(op, backend=backend)(*mine.values(), **kwargs)
-    want = getattr(formulas, op)(*theirs.values(), **kwargs)
-    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    mine = _copies(inputs, grad_names)
+    theirs = _copies(inputs, grad_names, widen=True)  # the truth from the same (already rounded) inputs
+    got = _as_tuple(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
+    want = _as_tuple(getattr(formulas, op)(*theirs.values(), **kwargs))
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
         if g is None and w is None:  # an output the call did not ask for (CrossEntropyOutput's None fields)
             continue
         results.append(measure(f"output {i}", g.float(), w.float(), tol))
-        if used is not None and i not in used:
-            continue
-        weights = (torch.randn(w.shape, device=w.device, dtype=torch.float32) * row_upstream if w.dim()
-                   else torch.tensor(upstream))
-        total_got = total_got + (g.float() * weights.to(g.device)).sum()
-        total_want = total_want + (w.float() * weights.to(w.device)).sum()
+        if used is None or i in used:
+            weights = (torch.randn(w.shape, device=w.device, dtype=torch.float32) * row_upstream if w.dim()
+                       else torch.tensor(upstream))
+            total_got = total_got + (g.float() * weights.to(g.device)).sum()
+            total_want = total_want + (w.float() * weights.to(w.device)).sum()
     if not all(m.ok for m in results):
         return results
     total_got.backward()
     total_want.backward()
-    for name in grad_names:
-        results.append(measure(f"grad of {name}", mine[name].grad, theirs[name].grad, tol))
-    return results
+    return results + [measure(f"grad of {name}", mine[name].grad, theirs[name].grad, tol) for name in grad_names]
 
 
 def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
     """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
-    out = dispatch.op(op, backend=backend)(*inputs.values(), **kwargs)
-    outs = out if isinstance(out, tuple) else (out,)
+    outs = _as_tuple(dispatch.op(op, backend=backend)(*inputs.values(), **kwargs))
     results = []
     for i, o in enumerate(outs):
         if kwargs.get("reduction") == "none" or o.dim():
             problem = "" if o.shape[0] == 0 else f"output {i}: shape {tuple(o.shape)}, not empty"
             results.append(Measurement(f"output {i}", 0.0, 0.0, problem))
-        else:
-            value = float(o.detach().float().abs()) if o.shape == () else math.inf
-            results.append(Measurement(f"output {i}", value, 0.0, "" if o.shape == () else
-                                       f"output {i}: shape {tuple(o.shape)}, not a scalar"))
+        else:  # the loss, a scalar
+            results.append(Measurement(f"output {i}", float(o.detach().float().abs()), 0.0))
     sum(o.float().sum() for o in outs).backward()
     for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            if t.grad is None or t.grad.shape != t.shape:
-                results.append(Measurement(f"grad of {name}", None, 0.0, f"grad of {name}: missing or misshapen"))
-            else:
-                results.append(Measurement(f"grad of {name}", float(t.grad.abs().max()) if t.grad.numel() else 0.0,
-                                           0.0))
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            continue
+        if t.grad is None or t.grad.shape != t.shape:
+            results.append(Measurement(f"grad of {name}", None, 0.0, f"grad of {name}: missing or misshapen"))
+        else:
+            results.append(Measurement(f"grad of {name}", float(t.grad.abs().max()) if t.grad.numel() else 0.0, 0.0))
     return results
 
 
@@ -191,10 +197,6 @@ def _by_op(table: str) -> dict:
 
 CASES: dict[str, list[Case]] = _by_op("CASES")
 KERNEL_SAMPLES: dict[str, Callable[[Inputs], tuple[tuple, dict]]] = _by_op("SAMPLES")
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def case_id(op, backend, dtype, case: str) -> str:
@@ -234,8 +236,7 @@ def unavailable(op, backend, device, dtype) -> Optional[str]:
     reason = f"{backend} cannot serve {op} on {device.type} in {dtype_name(dtype)}"
     try:
         args, kwargs = sample_call(op, device, dtype)
-        explanation = dispatch.op(op).explain(*args, **kwargs)
-        lines = [line.split("cannot serve: ", 1)[1] for line in explanation.lines
+        lines = [line.split("cannot serve: ", 1)[1] for line in dispatch.op(op).explain(*args, **kwargs).lines
                  if line.lstrip().startswith((f"{backend} ", f"{backend}:")) and "cannot serve: " in line]
         if lines:
             reason += f": {lines[0]}"
@@ -258,8 +259,7 @@ def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
             return KERNEL_SAMPLES[spec.name](small)
         case = next(c for c in CASES[spec.name] if c.sample)
         inputs, options = case.build(small)
-    args = tuple(leaf(v, k in case.grads) if isinstance(v, torch.Tensor) else v for k, v in inputs.items())
-    return args, options
+    return tuple(_copies(inputs, case.grads).values()), options
 
 
 def _written(op) -> list:
@@ -274,11 +274,6 @@ def _mutated(op) -> list[int]:
     return [names.index(a.name) for a in _written(op) if not a.kwarg_only]
 
 
-def _mutated_keywords(op) -> list[str]:
-    """The keyword-only parameters an op writes in place (an optional output, as ce_loss_and_grad's row_stats)."""
-    return [a.name for a in _written(op) if a.kwarg_only]
-
-
 def _widened(value):
     """A copy of a floating tensor with dims in float64 (the reference's inputs), of another tensor as it is."""
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
@@ -291,17 +286,24 @@ def _fresh(args: tuple, grad: bool = True) -> tuple:
     return tuple(leaf(a, grad and a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _tensors(out) -> tuple:
+    return tuple(o for o in _as_tuple(out) if isinstance(o, torch.Tensor))
+
+
 def _outputs_and_grads(fn, args):
-    """fn(*args)'s outputs, what it wrote in place, and the gradients of its inputs that require grad (each output
-    weighted by its position)."""
-    out = fn(*args)
-    outs = tuple(o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor))
+    """fn(*args)'s tensor outputs and the gradients of its inputs that require grad (outputs weighted by position)."""
+    outs = _tensors(fn(*args))
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    grads = ()
-    if leaves:
-        total = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs) if o.requires_grad)
-        grads = torch.autograd.grad(total, leaves)
-    return outs, grads
+    if not leaves:
+        return outs, ()
+    total = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs) if o.requires_grad)
+    return outs, torch.autograd.grad(total, leaves)
+
+
+def _against_eager(what: str, got, want) -> list[Measurement]:
+    """Outputs and gradients, each an _outputs_and_grads, of a compiled or replayed call against eager's."""
+    return [measure(f"{what} {kind} {i}", g, w, COMPILED_TOLERANCE)
+            for kind, gs, ws in zip(("output", "grad"), got, want) for i, (g, w) in enumerate(zip(gs, ws))]
 
 
 def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
@@ -317,11 +319,10 @@ def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
     except InputError:  # an op that takes some tensors in fp32 only (mHC's b): the reference on the same dtypes
         theirs = _fresh(args, grad=False)
         want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
-    pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(*(
-        [t for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, torch.Tensor)] for o in (got, want))))]
+    pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(_tensors(got), _tensors(want)))]
     pairs += [(f"{TABLE.spec(op).schema.names[i]} (written in place)", mine[i], theirs[i]) for i in _mutated(op)]
-    pairs += [(f"{name} (written in place)", mine_kwargs[name], theirs_kwargs[name])
-              for name in _mutated_keywords(op) if kwargs.get(name) is not None]
+    pairs += [(f"{a.name} (written in place)", mine_kwargs[a.name], theirs_kwargs[a.name])
+              for a in _written(op) if a.kwarg_only and kwargs.get(a.name) is not None]
     return [measure(name, g.float(), w, TOLERANCE[torch.float32]) for name, g, w in pairs]
 
 
@@ -338,8 +339,7 @@ def check_opcheck(op, backend, device) -> list[Measurement]:
     result = torch.library.opcheck(getattr(torch.ops.liger_dispatch, spec.name).default, positional,
                                    dict(options, backend=backend))
     failed = {k: v for k, v in result.items() if v != "SUCCESS"}
-    return [Measurement("opcheck", None if failed else 0.0, 0.0,
-                        f"opcheck: {failed}" if failed else "")]
+    return [Measurement("opcheck", None if failed else 0.0, 0.0, f"opcheck: {failed}" if failed else "")]
 
 
 def check_compile(op, backend, device) -> list[Measurement]:
@@ -348,26 +348,21 @@ def check_compile(op, backend, device) -> list[Measurement]:
 
     args, kwargs = sample_call(op, device)
     handle = dispatch.op(op, backend=backend)
-    mutated = _mutated(op)
 
     def call(*a):
         return handle(*a, **kwargs)
 
-    eager_args = _fresh(args)
-    want, want_grads = _outputs_and_grads(call, eager_args)
+    eager_args, compiled_args = _fresh(args), _fresh(args)
+    want = _outputs_and_grads(call, eager_args)
     counters.clear()
-    compiled_args = _fresh(args)
     torch._dynamo.reset()
-    got, got_grads = _outputs_and_grads(torch.compile(call, fullgraph=True), compiled_args)
+    got = _outputs_and_grads(torch.compile(call, fullgraph=True), compiled_args)
     breaks = dict(counters["graph_break"])
     if breaks:
         return [Measurement("graph breaks", None, 0.0, f"graph breaks: {breaks}")]
-    results = [measure(f"compiled output {i}", g, w, COMPILED_TOLERANCE) for i, (g, w) in enumerate(zip(got, want))]
-    results += [measure(f"compiled grad {i}", g, w, COMPILED_TOLERANCE)
-                for i, (g, w) in enumerate(zip(got_grads, want_grads))]
-    results += [measure(f"compiled {TABLE.spec(op).schema.names[i]} (written in place)", compiled_args[i],
-                        eager_args[i], COMPILED_TOLERANCE) for i in mutated]
-    return results
+    return _against_eager("compiled", got, want) + [
+        measure(f"compiled {TABLE.spec(op).schema.names[i]} (written in place)", compiled_args[i], eager_args[i],
+                COMPILED_TOLERANCE) for i in _mutated(op)]
 
 
 def check_cuda_graph(op, backend, device) -> list[Measurement]:
@@ -375,15 +370,17 @@ def check_cuda_graph(op, backend, device) -> list[Measurement]:
     args, kwargs = sample_call(op, device)
     handle = dispatch.op(op, backend=backend)
     mutated = _mutated(op)
-    originals = [args[i].detach().clone() for i in mutated]
     static = _fresh(args)
 
-    def step():
-        for i, original in zip(mutated, originals):  # an in-place kernel starts from the same values every replay
-            static[i].copy_(original)
-        return _outputs_and_grads(lambda *a: handle(*a, **kwargs), static)
+    def call(*a):
+        return handle(*a, **kwargs)
 
-    want, want_grads = _outputs_and_grads(lambda *a: handle(*a, **kwargs), _fresh(args))
+    def step():
+        for i in mutated:  # an in-place kernel starts from the same values every replay (args stay unwritten)
+            static[i].copy_(args[i])
+        return _outputs_and_grads(call, static)
+
+    want = _outputs_and_grads(call, _fresh(args))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside the capture: first-call planning, compilation, allocations
@@ -392,12 +389,14 @@ def check_cuda_graph(op, backend, device) -> list[Measurement]:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got, got_grads = step()
+        got = step()
     graph.replay()
     torch.cuda.synchronize()
-    return ([measure(f"replayed output {i}", g, w, COMPILED_TOLERANCE) for i, (g, w) in enumerate(zip(got, want))]
-            + [measure(f"replayed grad {i}", g, w, COMPILED_TOLERANCE)
-               for i, (g, w) in enumerate(zip(got_grads, want_grads))])
+    return _against_eager("replayed", got, want)
+
+
+SAMPLE_CHECKS = {"kernel": check_kernel_against_reference, "opcheck": check_opcheck, "compile": check_compile,
+                 "cuda graph": check_cuda_graph}
 
 
 # ---------------------------------------------------------------- verify
@@ -451,12 +450,11 @@ class VerifyResult:
 
     def table(self, console=None) -> None:
         """Prints the rows (rich) and the summary."""
+        from rich import box
         from rich.console import Console
         from rich.table import Table
 
         console = console or Console()
-        from rich import box
-
         table = Table(title=f"liger_dispatch verify: {self.backend} on {self.device}", box=box.SIMPLE_HEAD,
                       padding=(0, 1, 0, 0))
         for column in ("op", "check", "case", "dtype", "result", "error", "tolerance"):
@@ -475,15 +473,6 @@ class VerifyResult:
 
     def __str__(self) -> str:
         return self.summary()
-
-
-def _row(op, backend, check, case, dtype, measurements=None, error: Optional[BaseException] = None) -> CaseResult:
-    if error is not None:
-        text = f"{type(error).__name__}: {error}".strip().splitlines()[0][:300]
-        return CaseResult(op, backend, check, case, dtype, "failed", detail=text)
-    m = worst(measurements)
-    return CaseResult(op, backend, check, case, dtype, "passed" if m.ok else "failed", m.error, m.tolerance,
-                      m.name if m.ok else m.describe())
 
 
 @contextlib.contextmanager
@@ -513,12 +502,10 @@ def verify(backend: str, *, device=None, ops: Optional[Sequence[str]] = None, dt
     dtypes: restrict the cases' dtypes. checks: a subset of CHECKS. progress(row) is called as each row is done.
     Returns a VerifyResult; raises UnknownBackendError for a backend nobody registered, ValueError for an op it
     does not serve."""
-    from liger_dispatch.capability import default_device
-
     device = torch.device(default_device() if device is None else device)
     mine = served_ops(backend)
     if not mine:
-        known = [b for b in TABLE.backend_names() if any(b in dispatch.registered_backends(o) for o in TABLE.op_names())]
+        known = [b for b in TABLE.backend_names() if served_ops(b)]
         raise UnknownBackendError(f"no op has a backend named {backend!r} (import its module first: "
                                   f"--import MODULE); registered backends: {', '.join(known)}")
     if ops:
@@ -544,47 +531,42 @@ def verify(backend: str, *, device=None, ops: Optional[Sequence[str]] = None, dt
 
 
 def _verify_op(op, backend, device, dtypes, checks, add) -> None:
+    """Adds the rows of op on backend: its cases' (conformance), then its sample's (the other checks)."""
+
+    def row(check, case, dtype, why: Optional[str], measurements: Callable[[], Sequence[Measurement]]) -> None:
+        """Skipped for `why`, else passed or failed by the worst of the measurements, or failed by what they raise."""
+        if why is not None:
+            add(CaseResult(op, backend, check, case, dtype, "skipped", detail=why))
+            return
+        try:
+            m = worst(measurements())
+            add(CaseResult(op, backend, check, case, dtype, "passed" if m.ok else "failed", m.error, m.tolerance,
+                           m.name if m.ok else m.describe()))
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+            add(CaseResult(op, backend, check, case, dtype, "failed", detail=text))
+
     cases = CASES.get(op, ())
     if "conformance" in checks:
         for case in cases:
             for dtype in case.dtypes_on(device):
-                if dtypes is not None and dtype not in dtypes:
-                    continue
-                why = unavailable(op, backend, device, dtype)
-                if why is not None:
-                    add(CaseResult(op, backend, "conformance", case.name, dtype, "skipped", detail=why))
-                    continue
-                try:
-                    add(_row(op, backend, "conformance", case.name, dtype, run_case(op, backend, dtype, case, device)))
-                except Exception as exc:
-                    add(_row(op, backend, "conformance", case.name, dtype, error=exc))
-    why = unavailable(op, backend, device, torch.float32)
+                if dtypes is None or dtype in dtypes:
+                    row("conformance", case.name, dtype, unavailable(op, backend, device, dtype),
+                        functools.partial(run_case, op, backend, dtype, case, device))
     if not cases and op not in KERNEL_SAMPLES:
         add(CaseResult(op, backend, "conformance", "-", None, "skipped",
                        detail="its op family module in registry/ declares no cases or sample for it"))
         return
+    why = unavailable(op, backend, device, torch.float32)
     checks_here = [c for c in checks if c != "conformance" and (c != "cuda graph" or device.type == "cuda")]
     if not cases and "conformance" in checks:
         checks_here.insert(0, "kernel")
     for check in checks_here:
-        if why is not None:
-            add(CaseResult(op, backend, check, "sample", torch.float32, "skipped", detail=why))
-            continue
-        fn = {"kernel": check_kernel_against_reference, "opcheck": check_opcheck, "compile": check_compile,
-              "cuda graph": check_cuda_graph}[check]
-        try:
-            add(_row(op, backend, check, "sample", torch.float32, fn(op, backend, device)))
-        except Exception as exc:
-            add(_row(op, backend, check, "sample", torch.float32, error=exc))
+        row(check, "sample", torch.float32, why, functools.partial(SAMPLE_CHECKS[check], op, backend, device))
 
 
 def load_module(name_or_path: str):
     """Imports a backend's module by dotted name or from a .py file (which registers its implementations)."""
-    import importlib
-    import importlib.util
-    import sys
-    from pathlib import Path
-
     path = Path(name_or_path)
     if name_or_path.endswith(".py") or path.is_file():
         if not path.is_file():
@@ -610,8 +592,6 @@ def add_arguments(parser) -> None:
 
 def run(args, device: str) -> int:
     """python -m liger_dispatch verify: prints the table; 0 when everything that ran passed, 1 otherwise."""
-    import sys
-
     from rich.console import Console
 
     for module in args.imports:

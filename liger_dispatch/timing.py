@@ -44,7 +44,6 @@ class Inputs:
     upstream: Optional[tuple[torch.Tensor, ...]] = None  # grads fed to backward when the op has several outputs
 
     def nbytes(self) -> int:
-        """Bytes of the tensor arguments."""
         return sum(t.numel() * t.element_size() for t in self.args if isinstance(t, torch.Tensor))
 
 
@@ -114,8 +113,7 @@ def compare(got: Result, want: Result) -> tuple[float, float]:
 
 
 def passes(errors: tuple[float, float], dtype: torch.dtype) -> bool:
-    tol = TOLERANCE[dtype]
-    return all(e <= tol for e in errors)  # NaN compares False
+    return all(e <= TOLERANCE[dtype] for e in errors)  # NaN compares False
 
 
 # ---------------------------------------------------------------- time and memory
@@ -160,11 +158,9 @@ def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, 
 
 
 def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> Timing:
-    """triton.testing.do_bench's measurement, with every call, its warm-up and estimate calls too, starting from
-    reset gradients (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are
-    overwritten by the next replay, and autograd would read them to accumulate): CUDA events around each
-    repetition, L2 flushed before it by zeroing a buffer larger than L2 (unless flush=False), one synchronization
-    at the end."""
+    """triton.testing.do_bench's measurement, but every call, warm-up and estimate too, starts from reset gradients
+    (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are overwritten by the
+    next replay, and autograd would read them to accumulate); one synchronization at the end."""
     cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
     for _ in range(warmups):
         reset_grads(grads)
@@ -271,9 +267,9 @@ def loop_us(fn: Callable, device: torch.device, calls: int, args: tuple = ()) ->
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def wall_us(fn: Callable, device: torch.device, calls: int, tries: int = 3) -> float:
-    """The best of `tries` loop_us: host- or GPU-bound, whichever binds."""
-    return min(loop_us(fn, device, calls) for _ in range(tries))
+def wall_us(fn: Callable, device: torch.device, calls: int) -> float:
+    """The best of three loop_us: host- or GPU-bound, whichever binds."""
+    return min(loop_us(fn, device, calls) for _ in range(3))
 
 
 def kernels(fn: Callable, device: torch.device, calls: int = 1,
@@ -284,7 +280,6 @@ def kernels(fn: Callable, device: torch.device, calls: int = 1,
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    reset_grads(grads)
     synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

@@ -1,27 +1,25 @@
 """`python -m liger_dispatch tune`: time every backend that can serve each (op, dtype, shape) on this GPU and write
-the table that auto selection reads (liger_dispatch/tuning/tuned.py).
+the table that auto selection reads (tuned.py).
 
     python -m liger_dispatch tune --out h200.json         # the default set: ~2-3 minutes on an H200
     LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuning/tables/)
 
-A point is one op at one shape; its bucket is the one tuned.bucket_of gives the call. Each backend is measured
-through `dispatch.op(op, backend=b)` as the benchmark harness measures a provider, with liger_dispatch.timing:
-one fwd+bwd call (also the compiling one) whose outputs and gradients are compared with the reference's where
-the reference's logits fit (N * V <= CHECK_LOGITS; a backend that disagrees is reported and left out), then the
-median of at least --reps fwd+bwd repetitions after warm-up, CUDA events, L2 flushed and gradients reset before
-each one. A backend whose capability or shape predicate turns the point down is not timed. The reference is not
-timed: auto selection uses it only as the fallback. An existing table at --out made with the same key keeps
-its other entries.
+A point is one op at one shape, in the bucket tuned.bucket_of gives its call. Each backend is measured through
+`dispatch.op(op, backend=b)` with liger_dispatch.timing, as the benchmark harness measures a provider: one fwd+bwd
+call (also the compiling one) whose outputs and gradients are compared with the reference's where the reference's
+logits fit (points.CHECK_LOGITS; a backend that disagrees is reported and left out), then the median of at least
+--reps timed fwd+bwd repetitions. A backend whose capability or shape predicate turns the point down is not
+timed, nor is the reference: auto selection uses it only as the fallback. An existing table at --out made with
+the same key keeps its other entries.
 
 Only on a GPU: on the CPU the backends are the reference and the Triton and Helion interpreters, whose times say
 nothing about any kernel, so `tune` says so and exits 1 at once. It exits 1 without writing a table, too, when
 no backend but the reference can serve the ops here, and when no point was measured.
 
-Budget (--budget-s): before each point and before each backend's measurement, the time it is predicted to take
-(the same backend's last measurement of the op, per call, scaled by the inputs' bytes, times the calls a
-measurement makes) must fit in what is left; a point is measured whole or not at all (an entry that lacks a
-backend would rank it last). Memory: a point's inputs are first made on the meta device; one whose inputs and
-gradients would not fit in 90 % of the free memory is skipped, saying so.
+Budget (--budget-s): a point, and each backend's measurement in it, starts only when its predicted time (Budget)
+fits in what is left; a point is measured whole or not at all (an entry that lacks a backend would rank it last).
+Memory: a point's inputs are first made on the meta device; one whose inputs and gradients would not fit in 90 %
+of the free memory is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -54,13 +52,6 @@ MEMORY_FRACTION = 0.9  # of the free memory a point's inputs and gradients may t
 def tuned_ops() -> list[str]:
     """The user-level ops whose families declare how to tune them (OpSpec.tuning), in the registry's order."""
     return [name for name in TABLE.op_names("user") if TABLE.spec(name).tuning is not None]
-
-
-def point_groups(args, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[torch.device], Iterator[Point]]]]:
-    """(op, make): make(device) yields the points of one allocation (the points of one group share its inputs)."""
-    for op in args.ops:
-        for make in TABLE.spec(op).tuning.groups(args, dtype):
-            yield op, make
 
 
 def _bytes(point: Point) -> int:
@@ -115,8 +106,9 @@ class Budget:
         calls = 1 if backend == REFERENCE else 2 + max(1, math.ceil(self.warmup_ms / max(ms, 1e-3))) + self.reps
         return ms * calls / 1e3
 
-    def short(self, seconds: float) -> Optional[str]:
-        """Why `seconds` more do not fit in what is left, or None."""
+    def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
+        """Why measuring `backends` at `points` is predicted not to fit in what is left, or None."""
+        seconds = sum(self.predict_s(p, b) for p in points for b in backends)
         left = self.deadline - time.monotonic()
         if seconds <= left and left > 0:
             return None
@@ -133,7 +125,7 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
     """{backend: ms} of the backends that serve the point and agree with the reference; None when the budget
     does not reach every backend (no entry is better than one missing a backend)."""
     inputs = point.inputs
-    why = budget.short(sum(budget.predict_s(point, b) for b in [REFERENCE, *backends]))
+    why = budget.short([point], [REFERENCE, *backends])
     if why:
         log(f"    not reached: {why}")
         return None
@@ -148,7 +140,7 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
             return {}
     times = {}
     for backend in backends:
-        why = budget.short(budget.predict_s(point, backend))
+        why = budget.short([point], [backend])
         if why:
             log(f"    {backend}: not reached: {why}")
             return None
@@ -183,20 +175,51 @@ def entry(point: Point, dtype: torch.dtype, times: dict[str, float], unavailable
             "shape": point.shape, "ms": {b: round(t, 4) for b, t in fastest_first}, "unavailable": unavailable}
 
 
-def merged(path: Path, key: dict, entries: list[dict], log) -> list[dict]:
+def merged(path: Path, key: dict, entries: list[dict]) -> list[dict]:
     """entries plus those of an existing table at `path` made with the same key (new ones win)."""
     if not path.exists():
         return entries
     try:
         old_key, old_entries = tuned.read_table(path)
     except tuned.TunedTableError as exc:
-        log(f"overwriting {path}: {exc}")
+        print(f"overwriting {path}: {exc}")
         return entries
     if not tuned.same_key(old_key, key):
-        log(f"overwriting {path}: it was made on {tuned.describe_key(old_key)}")
+        print(f"overwriting {path}: it was made on {tuned.describe_key(old_key)}")
         return entries
     fresh = {(e["op"], e["dtype"], e["n"], e["bucket"]) for e in entries}
     return [e for e in old_entries if (e["op"], e["dtype"], e["n"], e["bucket"]) not in fresh] + entries
+
+
+def tune_group(make: Callable[[torch.device], Iterator[Point]], usable: list[str], unavailable: dict[str, str],
+               dtype: torch.dtype, device: torch.device, budget: Budget, entries: list[dict]) -> int:
+    """Adds the entries of the points make(device) yields (one allocation); how many the budget did not reach."""
+    sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
+    why = too_large(sized, device)
+    if why:
+        print(f"  {why}")
+        return 0
+    why = budget.short(sized, [REFERENCE, *usable])
+    if why:
+        print(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
+        return len(sized)
+    left = 0
+    try:
+        for point in make(device):
+            print(f"  {point.describe()}")
+            for backend, reason in unavailable.items():
+                print(f"    {backend}: NOT AVAILABLE here ({reason}); the entry will not order calls where it is")
+            times = measure(point, usable, dtype, device, budget, print)
+            left += times is None
+            if times:
+                entries.append(entry(point, dtype, times, unavailable))
+            point = None
+    except Exception as exc:  # making the inputs ran out of memory, say
+        print(f"  {sized[0].op}: FAILED ({_describe(exc)})")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return left
 
 
 def _refuse(why: str) -> int:
@@ -212,7 +235,6 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         return _refuse(f"nothing to tune on the {device.type}: the backends that serve there are the reference and "
                        "the Triton and Helion interpreters, whose times say nothing about a GPU kernel; run it on "
                        "the GPU the table is for")
-    log = print
     plan = {op: backends_for(op, device, dtype, args.backends) for op in args.ops}
     if not any(usable for usable, _ in plan.values()):
         reasons = "; ".join(f"{op}: " + (", ".join(f"{b} ({why})" for b, why in others.items()) or "only the reference")
@@ -220,55 +242,29 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         return _refuse(f"nothing to tune on {device}, {dtype_name(dtype)}: no backend but the reference serves "
                        f"({reasons})")
     key = tuned.device_key(device)
-    log(f"tuning on {tuned.describe_key(key)}, {dtype_name(dtype)}")
+    print(f"tuning on {tuned.describe_key(key)}, {dtype_name(dtype)}")
     for op, (usable, others) in plan.items():
         if not usable:
-            log(f"  {op}: not tuned: no backend but the reference serves here "
-                f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
+            print(f"  {op}: not tuned: no backend but the reference serves here "
+                  f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
     budget = Budget(args.budget_s, args.reps, args.warmup_ms)
     entries, left = [], 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # a backend that falls back is reported, not timed
-        for op, make in point_groups(args, dtype):
-            usable, unavailable = plan[op]
-            if not usable:
-                continue  # said before the loop
-            sized = list(make(torch.device("meta")))  # the points' sizes, nothing allocated
-            why = too_large(sized, device)
-            if why:
-                log(f"  {why}")
-                continue
-            why = budget.short(sum(budget.predict_s(p, b) for p in sized for b in [REFERENCE, *usable]))
-            if why:
-                log(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
-                left += len(sized)
-                continue
-            try:
-                for point in make(device):
-                    log(f"  {point.describe()}")
-                    for backend, reason in unavailable.items():
-                        log(f"    {backend}: NOT AVAILABLE here ({reason}); the entry will not order calls where it is")
-                    times = measure(point, usable, dtype, device, budget, log)
-                    left += times is None
-                    if times:
-                        entries.append(entry(point, dtype, times, unavailable))
-                    point = None
-            except Exception as exc:  # making the inputs ran out of memory, say
-                log(f"  {op}: FAILED ({_describe(exc)})")
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for op in (op for op in args.ops if plan[op][0]):  # the others: said above
+            for make in TABLE.spec(op).tuning.groups(args, dtype):  # make(device) yields points sharing inputs
+                left += tune_group(make, *plan[op], dtype, device, budget, entries)
     if left:
-        log(f"time budget ({args.budget_s:.0f} s) spent: {left} points not reached")
+        print(f"time budget ({args.budget_s:.0f} s) spent: {left} points not reached")
     if not entries:
         return _refuse("no point was measured (the reasons are above)")
     out = Path(args.out)
     table = {"format": tuned.FORMAT, "key": key, "written": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
-        "entries": merged(out, key, entries, log)}
+        "entries": merged(out, key, entries)}
     out.write_text(tuned.dumps(table))
     selection.reset()  # the tables read, and the selections and handles' plans made from them
-    log(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")
+    print(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")
     return 0
 
 

@@ -1,30 +1,28 @@
 """Measured auto-selection: per-device tables of the fastest backend for each (op, dtype, shape bucket).
 
-`python -m liger_dispatch tune` (liger_dispatch/tuning/tune.py) times every backend that can serve each point on
-the current GPU and writes a table. A table is keyed by what decides the kernels' times: the GPU's name and
-compute capability, the versions of the DSLs that generate the kernels (triton, helion, nvidia-cutlass-dsl) and
-torch's major.minor version (its cuBLAS GEMMs and autograd). torch's patch level and local build tag (+cu130,
-+cpu) are not in the key: a table made with torch 2.11.0+cu130 applies under 2.11.1+cu128 alike, since the
-kernels and the GEMMs' algorithms they are ranked by come from the same releases. A table whose key differs
-from this process's (another GPU, another DSL release, another torch minor) is ignored, never applied; a key
-written with torch's full version (tables made before) is read as its major.minor. The committed tables live
-in liger_dispatch/tuning/tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (separated by
-os.pathsep), whose entries win over the committed ones.
+`python -m liger_dispatch tune` (tune.py) times every backend that can serve each point on the current GPU and
+writes a table, keyed by what decides the kernels' times: the GPU's name and compute capability, the versions of
+the DSLs that generate the kernels (triton, helion, nvidia-cutlass-dsl) and torch's major.minor (its cuBLAS GEMMs
+and autograd). torch's patch level and build tag (+cu130, +cpu) are left out: 2.11.0+cu130 and 2.11.1+cu128 ship
+the same kernels and GEMM algorithms. A table whose key differs from this process's is ignored, never applied; a
+key written with torch's full version (older tables) is read as its major.minor. The committed tables are
+tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (os.pathsep-separated), whose entries
+win over the committed ones.
 
-Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority:
-the backends the entry measured go first, fastest first, then the others in priority order, the reference
-last. Backends measured within TIE of the fastest count as tied and keep their priority order: a smaller
-difference is within what one point varies between runs on the H200 (1-5 %), not evidence. A backend whose
-shape predicate turns a call down still yields to the next one.
+Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority: the
+backends the entry measured go first, fastest first, then the others in priority order, the reference last.
+Times within TIE of the fastest count as tied and keep their priority order: a smaller difference is within what
+one point varies between runs on the H200 (1-5 %), not evidence. A backend whose shape predicate turns a call
+down still yields to the next one.
 
-Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and per op
-the sizes and options that change which kernel wins, as its family declares them (OpSpec.tuning.bucket: e.g. V
-rounded up to a power of two, the options that select another kernel). A call whose N bucket has no entry takes the entry of the adjacent power of two (same op, dtype and other
-fields), the larger one on a tie; further than that, static priority decides. Kernel-level ops have no
-buckets: they keep static priority.
+Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and the sizes and
+options that change which kernel wins, as the op's family declares them (OpSpec.tuning.bucket: V rounded up to a
+power of two, say, or an option that selects another kernel). A call whose N bucket has no entry takes the
+adjacent power of two's (same op, dtype and other fields), the larger on a tie; further away, static priority
+decides. Kernel-level ops have no buckets: they keep static priority.
 
-Per-call cost: the selector's memo is keyed on (op, preferences, device, dtypes) plus `lookup_key`, which is
-None unless a table for this device has entries for the op; then it is the bucket tuple (~1 us to build).
+Per-call cost: the selector's memo key gains `lookup_key`, None unless a table for this device has the op, else
+the bucket tuple (~1 us to build).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from liger_dispatch import settings
-from liger_dispatch.capability import dtype_name
+from liger_dispatch.capability import device_capability, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import LigerDispatchError
 
@@ -75,12 +73,9 @@ def _version(distribution: str) -> Optional[str]:
 
 def device_key(device: torch.device) -> dict:
     """What a table must match to apply to calls on `device`: GPU name, compute capability, library versions."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        name, capability = torch.cuda.get_device_name(index), list(torch.cuda.get_device_capability(index))
-    else:
-        name, capability = device.type, None
-    return {"device": name, "capability": capability, **{lib: _version(lib) for lib in LIBRARIES}}
+    cc = device_capability(device)
+    name = torch.cuda.get_device_name(device) if cc else device.type
+    return {"device": name, "capability": list(cc) if cc else None, **{lib: _version(lib) for lib in LIBRARIES}}
 
 
 def normal_key(key) -> dict:
@@ -150,7 +145,7 @@ class Entry:
 
 
 def _parse_rest(text: str) -> tuple:
-    pairs = [item.split("=", 1) for item in text.split()] if text else []
+    pairs = (item.split("=", 1) for item in text.split())
     return tuple((k, int(v) if v.isdigit() else v) for k, v in pairs)
 
 
@@ -182,7 +177,6 @@ class DeviceTables:
     """The entries that apply on one device, indexed by (op, dtype, other bucket fields) -> {n: Entry}."""
 
     def __init__(self, key: dict, files: Sequence[Path]):
-        self.key = key
         self.applied: list[str] = []
         self.ignored: list[str] = []  # "path: why"
         self.index: dict[tuple, dict[int, Entry]] = {}
@@ -209,19 +203,13 @@ class DeviceTables:
 
     def entry(self, op: str, dtype: str, n: int, rest: tuple) -> Optional[Entry]:
         """The entry of this bucket, or of the adjacent power of two (the larger on a tie), or None."""
-        by_n = self.index.get((op, dtype, rest))
-        if not by_n:
-            return None
-        exact = by_n.get(n)
-        if exact is not None:
-            return exact
-        return by_n.get(2 * n) or by_n.get(n // 2)
+        by_n = self.index.get((op, dtype, rest), {})
+        return by_n.get(n) or by_n.get(2 * n) or by_n.get(n // 2)
 
 
 def table_files(extra: Sequence[str]) -> list[Path]:
     """The committed tables, then the user's (LIGER_TUNED_TABLE): later files win."""
-    packaged = sorted(PACKAGED.glob("*.json")) if PACKAGED.is_dir() else []
-    return packaged + [Path(p) for p in extra]
+    return sorted(PACKAGED.glob("*.json")) + [Path(p) for p in extra]
 
 
 _lock = threading.Lock()
@@ -230,13 +218,12 @@ _loaded: dict[tuple, DeviceTables] = {}
 
 def tables_for(device: torch.device, extra: tuple[str, ...]) -> DeviceTables:
     """The tables that apply on `device`, read once per (device, LIGER_TUNED_TABLE files)."""
-    cache_key = (device, extra)
-    tables = _loaded.get(cache_key)
+    tables = _loaded.get((device, extra))
     if tables is None:
         with _lock:
-            tables = _loaded.get(cache_key)
+            tables = _loaded.get((device, extra))
             if tables is None:
-                tables = _loaded[cache_key] = DeviceTables(device_key(device), table_files(extra))
+                tables = _loaded[device, extra] = DeviceTables(device_key(device), table_files(extra))
     return tables
 
 
@@ -253,8 +240,7 @@ def lookup_key(op: str, device: torch.device, args: Sequence, kwargs: dict):
     """The part of a call's memo key the tables decide: None when no table for `device` has `op`, else
     (LIGER_TUNED_TABLE's files, N bucket, other bucket fields). Cheap when None: two dict lookups."""
     extra = settings.TUNED_TABLE.get()
-    tables = _loaded.get((device, extra)) or tables_for(device, extra)
-    if op not in tables.ops:
+    if op not in tables_for(device, extra).ops:
         return None
     n, rest = bucket_of(op, args, kwargs)
     return extra, n, rest
@@ -268,11 +254,10 @@ def choice(op: str, device: torch.device, dtypes: Sequence[torch.dtype], key) ->
     return tables_for(device, extra).entry(op, dtype_name(dtypes[0]), n, rest)
 
 
-def measured_first(items: list, entry: Optional[Entry], backend: Callable = lambda item: item
-                   ) -> tuple[list, Optional[Entry]]:
-    """(items, already in static order, with the backends `entry` measured first, fastest first, ties within TIE
-    in static order; the entry), or (items, None) when there is no entry or it was measured without a backend
-    that can serve here: its ranking says nothing about that one."""
+def measured_first(items: list, entry: Optional[Entry], backend: Callable) -> tuple[list, Optional[Entry]]:
+    """(items, already in static order, those whose backend(item) `entry` measured first, fastest first, ties
+    within TIE in static order; the entry), or (items, None) when there is no entry or it was measured without a
+    backend that can serve here: its ranking says nothing about that one."""
     if entry is None or any(backend(item) in entry.unavailable for item in items):
         return items, None
     rank = entry.ranks()
