@@ -18,13 +18,13 @@ STREAMS = 4
 class Student(torch.nn.Module):
     """Embedding -> residual streams mixed by mHC coefficients around one MLP layer -> LM head."""
 
-    def __init__(self, vocab: int, hidden: int, device, dtype, backend=None):
+    def __init__(self, vocab: int, hidden: int, device, dtype):
         super().__init__()
         channels, factory = hidden // STREAMS, dict(device=device, dtype=dtype)
         self.embed = torch.nn.Embedding(vocab, hidden, **factory)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(channels, 2 * channels, **factory), torch.nn.GELU(),
                                        torch.nn.Linear(2 * channels, channels, **factory))
-        self.mhc = MHCCoeffs(STREAMS, channels, tmax=8, backend=backend, **factory)
+        self.mhc = MHCCoeffs(STREAMS, channels, tmax=8, **factory)
         self.norm = torch.nn.RMSNorm(hidden, **factory)
         self.head = torch.nn.Linear(hidden, vocab, bias=False, **factory)
 
