@@ -123,8 +123,8 @@ def _patched_forward(self, *args, return_logits: bool = False, return_token_accu
         raise UnsupportedModelError(f"{type(self).__name__}.forward returned a {type(outputs).__name__}, "
                                     "not a ModelOutput with loss and logits")
     softcap = getattr(self.config, state.softcap_attr) if state.softcap_attr else None
-    loss = causal_lm_loss(_keep_positions(hidden, keep), head.weight, labels, head.bias, shift_labels=extra.get("shift_labels"),
-                          num_items_in_batch=extra.get("num_items_in_batch"),
+    loss = causal_lm_loss(_keep_positions(hidden, keep), head.weight, labels, head.bias,
+                          shift_labels=extra.get("shift_labels"), num_items_in_batch=extra.get("num_items_in_batch"),
                           ignore_index=extra.get("ignore_index", -100), softcap=softcap, backend=state.backend,
                           return_token_accuracy=return_token_accuracy)
     if return_token_accuracy:
