@@ -21,7 +21,6 @@ is the max, as flce computes it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -105,11 +104,11 @@ def unpatch(model):
 def _patched_forward(self, *args, return_logits: bool = False, return_token_accuracy: bool = False, **kwargs):
     state: _Patch = vars(self)[_STATE]
     call = state.signature.bind(*args, **kwargs)
-    labels = call.arguments.get("labels")
+    arguments = call.arguments
+    labels = arguments.get("labels")
     if labels is None or return_logits:
         return state.original(*args, **kwargs)
     _check_head_and_loss(self)
-    arguments = call.arguments
     keep = arguments.get("logits_to_keep", state.signature.parameters["logits_to_keep"].default)
     extra = dict(arguments.get(state.var_keyword, {}))
     # the output is rebuilt by field name: ask for a ModelOutput, and make the caller's tuple from it
@@ -119,15 +118,13 @@ def _patched_forward(self, *args, return_logits: bool = False, return_token_accu
     head = self.get_output_embeddings()
     arguments.update(labels=None, logits_to_keep=_no_position(head.weight.device))
     arguments[state.var_keyword] = {**extra, "return_dict": True}
-    with _final_hidden_states_kept(self) as kept:
-        outputs = state.original(*call.args, **call.kwargs)
+    outputs, hidden = _with_final_hidden_states(self, state.original, *call.args, **call.kwargs)
     if not (isinstance(outputs, ModelOutput) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(outputs)}):
         raise UnsupportedModelError(f"{type(self).__name__}.forward returned a {type(outputs).__name__}, "
                                     "not a ModelOutput with loss and logits")
-    hidden = _keep_positions(_only_one(kept, self), keep)
     softcap = getattr(self.config, state.softcap_attr) if state.softcap_attr else None
-    loss = causal_lm_loss(hidden, head.weight, labels, head.bias, shift_labels=extra.get("shift_labels"),
-                          num_items_in_batch=extra.get("num_items_in_batch"),
+    loss = causal_lm_loss(_keep_positions(hidden, keep), head.weight, labels, head.bias,
+                          shift_labels=extra.get("shift_labels"), num_items_in_batch=extra.get("num_items_in_batch"),
                           ignore_index=extra.get("ignore_index", -100), softcap=softcap, backend=state.backend,
                           return_token_accuracy=return_token_accuracy)
     if return_token_accuracy:
@@ -168,9 +165,8 @@ def final_hidden_states(model, **inputs) -> torch.Tensor:
     _family(model)
     if "labels" in inputs or "logits_to_keep" in inputs:
         raise TypeError("final_hidden_states takes no labels or logits_to_keep: it returns every position")
-    with _final_hidden_states_kept(model) as kept:
-        model(**inputs, logits_to_keep=_no_position(model.get_output_embeddings().weight.device))
-    return _only_one(kept, model)
+    no_logits = _no_position(model.get_output_embeddings().weight.device)
+    return _with_final_hidden_states(model, model, **inputs, logits_to_keep=no_logits)[1]
 
 
 def distillation_loss(student, teacher, labels: Optional[torch.Tensor] = None, *, beta: float = 0.5,
@@ -251,18 +247,15 @@ def _keep_positions(hidden: torch.Tensor, keep: Union[int, torch.Tensor]) -> tor
     return hidden[:, keep]
 
 
-@contextlib.contextmanager
-def _final_hidden_states_kept(model):
-    """Keeps the base model's outputs' first field, last_hidden_state (or a tuple's first item), while open."""
+def _with_final_hidden_states(model, forward, *args, **kwargs) -> tuple[Any, torch.Tensor]:
+    """(forward(*args, **kwargs), the first field of the outputs of the one run of model's base model it made:
+    last_hidden_state, or a tuple's first item)."""
     kept: list[torch.Tensor] = []
     handle = model.base_model.register_forward_hook(lambda module, args, output: kept.append(output[0]))
     try:
-        yield kept
+        outputs = forward(*args, **kwargs)
     finally:
         handle.remove()
-
-
-def _only_one(kept: list[torch.Tensor], model) -> torch.Tensor:
     if len(kept) != 1:
         raise UnsupportedModelError(f"{type(model).__name__}.forward ran its base model {len(kept)} times, not once")
-    return kept[0]
+    return outputs, kept[0]

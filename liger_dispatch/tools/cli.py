@@ -17,8 +17,6 @@ from liger_dispatch.capability import default_device, default_dtype, dtype_name
 from liger_dispatch.errors import LigerDispatchError
 
 PROG = "python -m liger_dispatch"
-
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -69,7 +67,6 @@ def summary(op: str, device: str, dtype: torch.dtype) -> str:
     return f"{op}: {asked}: falls back to [bold]{served}[/bold] ({why})"
 
 
-
 # A cell of the matrix is one short word; a reason is a numbered note printed once below the table.
 AVAILABLE, NOT_REGISTERED = "available", "-"
 
@@ -106,6 +103,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from liger_dispatch.core.selection import env_key
     from liger_dispatch.core.table import TABLE
 
     console = Console()
@@ -142,10 +140,9 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     failures = {m: TABLE.module_error(m) for op in TABLE.op_names() for m in TABLE.locations(op).values()}
     for module, error in sorted((m, e) for m, e in failures.items() if e):
         console.print(f"[dim]{module}: {error}[/dim]")
-    env = {k: v for k, v in os.environ.items() if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     console.print(f"environment: {env or 'no LIGER_* variables set'}")
-    from liger_dispatch.core.selection import env_key
-
     for name in settings.unknown_variables(env_key(op) for op in TABLE.op_names()):
         console.print(f"[yellow]{name} is not a variable liger-dispatch reads (a typo?)[/yellow]")
 

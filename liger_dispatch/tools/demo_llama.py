@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from liger_dispatch import dispatch
 from liger_dispatch.capability import dtype_name
+from liger_dispatch.integrations.causal_lm import causal_lm_loss
+from liger_dispatch.integrations.distillation import generalized_jsd_loss
+from liger_dispatch.integrations.transformers import final_hidden_states, patch
 
 HARD_LABEL_WEIGHT = 0.5  # the distillation's alpha: alpha * CE + (1 - alpha) * JSD
 SUCCESSORS = 4  # each token of the synthetic language is followed by one of this many tokens
@@ -23,15 +27,11 @@ SUCCESSORS = 4  # each token of the synthetic language is followed by one of thi
 DEFAULT_PNG = Path(tempfile.gettempdir()) / "liger-dispatch-demo.png"
 
 
-def sizes(on_gpu: bool) -> dict:
-    if on_gpu:
-        return dict(vocab=32000, teacher=(512, 4), student=(256, 2), batch=8, seq=256, lr=1e-3)
-    return dict(vocab=256, teacher=(64, 2), student=(32, 1), batch=8, seq=64, lr=5e-3)
+GPU_SIZES = dict(vocab=32000, teacher=(512, 4), student=(256, 2), batch=8, seq=256, lr=1e-3)
+CPU_SIZES = dict(vocab=256, teacher=(64, 2), student=(32, 1), batch=8, seq=64, lr=5e-3)
 
 
 def llama(vocab: int, hidden: int, layers: int, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 64),
                          max_position_embeddings=1024, use_cache=False, bos_token_id=0, eos_token_id=1,
@@ -77,13 +77,9 @@ def run(steps: int = 60, device: str = "cpu", dtype: torch.dtype = torch.float32
 
 
 def _run(steps: int, device: str, dtype: torch.dtype, distill: str, png: Path) -> int:
-    from liger_dispatch.integrations.causal_lm import causal_lm_loss
-    from liger_dispatch.integrations.distillation import generalized_jsd_loss
-    from liger_dispatch.integrations.transformers import final_hidden_states, patch
-
     torch.manual_seed(0)
     on_gpu = device.startswith("cuda")
-    cfg = sizes(on_gpu)
+    cfg = GPU_SIZES if on_gpu else CPU_SIZES
     beta = 0.5 if distill == "jsd" else 0.0  # TRL's beta: 0 is forward KL(teacher || student)
     print(f"liger-dispatch Hugging Face demo on {device} ({torch.cuda.get_device_name() if on_gpu else 'CPU'}), "
           f"{dtype_name(dtype)}: Llama teacher H={cfg['teacher'][0]} x{cfg['teacher'][1]} layers, student "
@@ -102,17 +98,17 @@ def _run(steps: int, device: str, dtype: torch.dtype, distill: str, png: Path) -
     ok, served = _check_first_step(teacher, unpatched, batches[0])
     curves = {"patched (flce)": [], "unpatched (transformers)": []}
     start = time.perf_counter()
-    for name, model in (("patched (flce)", teacher), ("unpatched (transformers)", unpatched)):
+    for curve, model in zip(curves.values(), (teacher, unpatched)):
         optim = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
-        for step in range(steps):
-            tokens = batches[step]
+        for tokens in batches:
             loss = model(input_ids=tokens, labels=tokens).loss
             optim.zero_grad(set_to_none=True)
             loss.backward()
             optim.step()
-            curves[name].append(loss.item())
-    gap = max(abs(a - b) / b for a, b in zip(*curves.values()))
-    print(f"teacher: CE {curves['patched (flce)'][0]:.3f} -> {curves['patched (flce)'][-1]:.3f} in {steps} steps; "
+            curve.append(loss.item())
+    patched_curve, unpatched_curve = curves.values()
+    gap = max(abs(a - b) / b for a, b in zip(patched_curve, unpatched_curve))
+    print(f"teacher: CE {patched_curve[0]:.3f} -> {patched_curve[-1]:.3f} in {steps} steps; "
           f"the unpatched copy's curve differs by at most {gap:.1e} (relative)")
 
     student = llama(cfg["vocab"], *cfg["student"], device, dtype)
@@ -120,8 +116,7 @@ def _run(steps: int, device: str, dtype: torch.dtype, distill: str, png: Path) -
     teacher_weight, student_weight = teacher.lm_head.weight.detach(), student.lm_head.weight
     optim = torch.optim.AdamW(student.parameters(), lr=cfg["lr"])
     distilled = {"divergence": [], "CE": []}
-    for step in range(steps):
-        tokens = batches[step]
+    for step, tokens in enumerate(batches):
         hidden = final_hidden_states(student, input_ids=tokens)
         with torch.no_grad():
             teacher_hidden = final_hidden_states(teacher, input_ids=tokens)
@@ -148,15 +143,12 @@ def _run(steps: int, device: str, dtype: torch.dtype, distill: str, png: Path) -
 def _check_first_step(patched, unpatched, tokens) -> tuple[bool, str]:
     """The patched model's first loss and lm_head gradient against the unpatched model's, on the same batch;
     (whether they agree, the backend that served flce)."""
-    from liger_dispatch.integrations.transformers import final_hidden_states
-
     hidden = final_hidden_states(patched, input_ids=tokens).detach()
     served = dispatch.op("flce").select(hidden.flatten(0, -2), patched.lm_head.weight, tokens.flatten()).backend
     results = []
     for model in (patched, unpatched):
         out = model(input_ids=tokens, labels=tokens)
-        head = model.lm_head.weight
-        (grad,) = torch.autograd.grad(out.loss, head)
+        (grad,) = torch.autograd.grad(out.loss, model.lm_head.weight)
         results.append((out.loss.detach(), grad, out.logits))
     (loss, grad, logits), (want_loss, want_grad, want_logits) = results
     tolerance = 2e-2 if loss.dtype in (torch.bfloat16, torch.float16) else 1e-4
