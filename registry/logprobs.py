@@ -203,6 +203,12 @@ class FusedLinearLogProbs:
         return dx, dw, None if db is None else db.to(fl.grad_dtype(bias))
 
 
+def grads_in_saved(a, saved) -> dict:
+    """dW where the backward writes it: the first bytes of the saved buffer, beyond the budget (vocab_chunks)."""
+    plan = vocab_chunks.layout(fl.flat(a.input, a.input.shape[-1]), a.weight)
+    return {"weight": plan.grad_weight(saved[1], a.weight)} if plan.grad_bytes else {}
+
+
 def grad_bound(x, weight, bias, g, h, *, temperature):
     """[N] bounds of each row's gradient L1 norm over the raw logits (fp16 buffers, grad_bounds.py):
     (|g| sum_j |1[j = t] - p_j| + |h| sum_j p_j |z_j - mean|) / T <= (2 |g| + 2 |h| max_j |z_j|) / T, with
@@ -223,7 +229,7 @@ OPS = (
     OpSpec(USER_SCHEMA, "user", check_user_op, value_check=heads.target_classes,
            composed_of=("logprobs_stats", "logprobs_grad"), compose=FusedLinearLogProbs, probe=probe_user_op,
            differentiable=("input", "weight", "bias"), autocast=("input", "weight", "bias"), fake=fake_user_op,
-           saved="Tensor stats, Tensor(a!) buffer",
+           saved="Tensor stats, Tensor(a!) buffer", grads_in_saved=grads_in_saved,
            vocab_parallel=VocabParallel("weight", sliced={"weight": 0, "bias": 0},
                                         replicated={"input": False, "target": True}, kernel=vocab_parallel_kernels),
            summary="fused linear per-token log-probs and entropy (RL / preference training), with autograd"),

@@ -283,6 +283,30 @@ def test_user_op_reference_float64_is_the_spec(slices, monkeypatch):
         torch.autograd.grad(total[0], leaves)
 
 
+@pytest.mark.parametrize("slices", ["all kept in dW", "some kept"])
+def test_compiled_weight_gradient_is_the_buffer_not_a_copy(slices, monkeypatch):
+    """Compiled (and through the torch op), with dW in the kept buffer's memory: the same gradients as eager, and the
+    backward op returns dW empty (its autograd takes the view of the buffer the backward wrote), so no copy of dW."""
+    monkeypatch.setenv("LIGER_CHUNK_COLUMNS", "3")
+    keep_some_slices(monkeypatch, 5, 4, 7, torch.float64, 3, every=slices == "all kept in dW")
+    op = dispatch.op("fused_linear_logprobs", backend="reference")
+    x, w = torch.randn(5, 4, dtype=torch.float64), torch.randn(7, 4, dtype=torch.float64)
+    target = torch.tensor([3, IGNORE, 0, 6, 2])
+    g, h = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    grads = []
+    for fn in (op, torch.compile(op, fullgraph=True, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        lp, ent = fn(*leaves, target, temperature=0.7, ignore_index=IGNORE)
+        grads.append(torch.autograd.grad((lp * g).sum() + (ent * h).sum(), leaves))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    *_, stats, buffer = torch.ops.liger_dispatch.fused_linear_logprobs(x, w, target, temperature=0.7,
+                                                                       ignore_index=IGNORE, backend="reference")
+    dx, dw, db = torch.ops.liger_dispatch.fused_linear_logprobs_backward(
+        x, w, target, None, stats, buffer, g, h, temperature=0.7, ignore_index=IGNORE, need_grads=[True, True, False],
+        backend="reference")
+    assert dx.shape == x.shape and dw.numel() == 0
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_user_op_vocabulary_slices_match_float64(backend, monkeypatch):
     """Each backend's user op with the vocabulary cut into slices of 16 columns (the last one narrower, the first

@@ -63,6 +63,10 @@ class OpSpec:
         one as itself).
     saved: for a user-level op with a backward of its own (its implementation has a `backward` method), what the
         implementation returns after the op's outputs for that backward, as schema parameters ("Tensor mix, ...").
+    grads_in_saved: for such an op whose backward writes gradients into the memory of what it saved:
+        grads_in_saved(a, saved) -> {input name: that gradient as a view of the saved tensors}, none for a call whose
+        gradient has memory of its own. The torch op's backward returns those gradients empty (a torch op's outputs
+        alias no input) and its autograd takes the views.
     vocab_parallel: for a user-level loss with a vocab-parallel path, its compose.vocab_parallel.VocabParallel.
     tuning: for a user-level op that tuned tables order, its tuning.points.Tuning (buckets, the points to time).
     internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it.
@@ -82,6 +86,7 @@ class OpSpec:
     result: Optional[Callable[[Args, tuple], object]] = None
     autocast: tuple[str, ...] = ()
     saved: str = ""
+    grads_in_saved: Optional[Callable[[Args, tuple], dict]] = None
     vocab_parallel: Optional[object] = None
     tuning: Optional[object] = None
     internal: bool = False

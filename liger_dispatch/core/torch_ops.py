@@ -519,6 +519,15 @@ def _define_with_backward(spec: OpSpec) -> None:
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
     where = _differentiable_places(spec)
 
+    def views_in_saved(args: tuple, options: dict) -> dict:
+        """{a gradient's place: the view of a saved tensor it is} (OpSpec.grads_in_saved), from the backward op's
+        leading arguments (the op's inputs, then the saved tensors)."""
+        if spec.grads_in_saved is None:
+            return {}
+        a = spec.schema.bind(args[:len(positional)], {k: v for k, v in options.items() if k in keyword_defaults})
+        views = spec.grads_in_saved(a, args[len(positional):len(positional) + len(saved)])
+        return {spec.differentiable.index(name): view for name, view in views.items()}
+
     def backward_impl(*args, need_grads, backend=None, **options):
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
@@ -526,14 +535,16 @@ def _define_with_backward(spec: OpSpec) -> None:
         fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
                                     spec.schema.bind(tensors, options), pinned)
         grads = fn.backward(*args, need_grads=tuple(need_grads), **options)
-        # an input left out (None) or not needing a gradient gets an empty tensor: a torch op returns tensors; a
-        # gradient that is a view of what the backward overwrote (vocab_chunks' dW) is copied out of it
-        return _unaliased(tuple(_grad_or_empty(g if w else None, tensors[i], args[0])
-                                for i, g, w in zip(where, grads, need_grads)), args)
+        views = views_in_saved(args, options)
+        # an input left out (None), one not needing a gradient or one whose gradient is a view of a saved tensor
+        # (its autograd takes that view) gets an empty tensor: a torch op returns tensors that alias no input
+        return _unaliased(tuple(_grad_or_empty(g if w and k not in views else None, tensors[i], args[0])
+                                for k, (i, g, w) in enumerate(zip(where, grads, need_grads))), args)
 
     def backward_fake(*args, need_grads, backend=None, **options):  # contiguous, as _grad_or_empty makes them
-        return tuple(args[0].new_empty(0) if args[i] is None or not w else args[i].new_empty(args[i].shape)
-                     for i, w in zip(where, need_grads))
+        views = views_in_saved(args, {**keyword_defaults, **options})
+        return tuple(args[0].new_empty(0) if args[i] is None or not w or k in views
+                     else args[i].new_empty(args[i].shape) for k, (i, w) in enumerate(zip(where, need_grads)))
 
     _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
     _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
@@ -544,7 +555,10 @@ def _define_with_backward(spec: OpSpec) -> None:
 
     def under_autograd(run, args, kwargs, tensors):
         def backward(saved_tensors, grad_outputs, needs):
-            return backward_op(*saved_tensors, *grad_outputs, need_grads=list(needs), **kwargs)
+            grads = list(backward_op(*saved_tensors, *grad_outputs, need_grads=list(needs), **kwargs))
+            for place, view in views_in_saved(saved_tensors, kwargs).items():  # written by the backward op
+                grads[place] = view
+            return grads
 
         returned = outputs + len(saved)
         return _WithBackward.apply(spec.name, run, backward, outputs, returned, where, once, *args[:len(positional)])
