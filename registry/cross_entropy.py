@@ -239,7 +239,7 @@ def compose_flce(kernel, vocab_parallel=None):
         if row_weights is not None:
             scale = fl.flat(row_weights).to(torch.float32)
         elif mean:
-            scale = 1.0 / count
+            scale = count.reciprocal()  # one launch (1.0 / count is two)
         else:
             scale = torch.ones((), device=x.device)
         row_stats = x.new_empty(x.shape[0], 2, dtype=heads.loss_dtype(x)) if asked else None

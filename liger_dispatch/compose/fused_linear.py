@@ -160,7 +160,7 @@ def valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, devic
     """Non-ignored rows as an fp32 device scalar, at least 1 (all ignored -> loss 0, not NaN). No sync."""
     if labels is None:
         return torch.full((), float(max(n, 1)), device=device)
-    return (labels != ignore_index).sum().clamp_min(1).to(torch.float32)
+    return (labels != ignore_index).sum(dtype=torch.float32).clamp_min_(1)  # 3 launches, not 4
 
 
 def flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
