@@ -161,8 +161,8 @@ class _WithBackward(torch.autograd.Function):
         first = 7
         need = tuple(ctx.needs_input_grad[first + i] for i in ctx.where)
         result = [None] * (len(ctx.needs_input_grad) - first)  # one per input tensor
-        for i, g, w in zip(ctx.where, ctx.run_backward(ctx.saved_tensors, grads[:ctx.outputs], need), need):
-            result[i] = g if w else None
+        for i, g in zip(ctx.where, _wanted(ctx.run_backward(ctx.saved_tensors, grads[:ctx.outputs], need), need)):
+            result[i] = g
         return None, None, None, None, None, None, None, *result
 
 
@@ -315,7 +315,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = _returns(spec.schema_text)
     where = _differentiable_places(spec)
-    once = "(a!)" in spec.saved
+    once = _overwrites_saved(spec)
     fixed = spec.schema.call_args(a)[1]
     if any(isinstance(v, torch.Tensor) for v in fixed.values()):
         fixed = None
@@ -470,6 +470,11 @@ def _register_autograd(spec: OpSpec, op, under_autograd: Callable) -> None:
     _LIB.impl(spec.name, autograd_kernel, "Autograd", with_keyset=True)
 
 
+def _overwrites_saved(spec: OpSpec) -> bool:
+    """Whether the op's backward overwrites a tensor its forward saved (declared "Tensor(a!)" in OpSpec.saved)."""
+    return "(a!)" in spec.saved
+
+
 def _differentiable_places(spec: OpSpec) -> list[int]:
     """Each differentiable tensor's place among the op's positional inputs."""
     return [spec.schema.positional.index(n) for n in spec.differentiable]
@@ -551,7 +556,7 @@ def _define_with_backward(spec: OpSpec) -> None:
     torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
     torch.library.register_fake(f"{NAMESPACE}::{backward_name}", backward_fake, lib=_LIB)
     op, backward_op = (getattr(torch.ops.liger_dispatch, n).default for n in (spec.name, backward_name))
-    once = "(a!)" in spec.saved
+    once = _overwrites_saved(spec)
 
     def under_autograd(run, args, kwargs, tensors):
         def backward(saved_tensors, grad_outputs, needs):
