@@ -51,6 +51,7 @@ from liger_dispatch.registry import checks as c
 from liger_dispatch.registry import heads
 from liger_dispatch.registry.cases import FP16, Case, Inputs, empty_head, empty_leaves, non_contiguous, sample_labels
 from liger_dispatch.registry.heads import fake_in_place, fake_rows
+from liger_dispatch.tuning import points as tp
 
 STATS_SCHEMA = ("logprobs_stats(Tensor logits, Tensor target, *, int vocab_start=0, float temperature=1.0, "
                 "int ignore_index=-100) -> Tensor")
@@ -221,6 +222,19 @@ def grad_bound(x, weight, bias, g, h, *, temperature):
     return bound / temperature
 
 
+def bucket(input, weight, *_args, **_):
+    return tp.pow2_ceil(tp.rows(input)), (("v", tp.pow2_ceil(weight.shape[0])),)
+
+
+def tune_points(n, hidden, vocab, dtype, device, args):
+    """One point: random upstream gradients on both outputs (an RL loss's log-probs and an entropy bonus)."""
+    shape, check = tp.lm_shape(n, hidden, vocab)
+    x, w = tp.lm_head(n, hidden, vocab, dtype, device)
+    upstream = (torch.randn(n, device=device), torch.randn(n, device=device))
+    yield tp.Point("fused_linear_logprobs", shape,
+                   tp.Inputs((x, w, tp.labels(n, vocab, device)), {}, [x, w], upstream), check)
+
+
 OPS = (
     OpSpec(STATS_SCHEMA, "kernel", check_logprobs_stats, fake=fake_stats,
            summary="per-token log-probs / entropy: a logits slice's row stats (lse, z_target, mean z)"),
@@ -232,6 +246,7 @@ OPS = (
            saved="Tensor stats, Tensor(a!) buffer", grads_in_saved=grads_in_saved,
            vocab_parallel=VocabParallel("weight", sliced={"weight": 0, "bias": 0},
                                         replicated={"input": False, "target": True}, kernel=vocab_parallel_kernels),
+           tuning=tp.Tuning(bucket, tp.lm_head_groups(tune_points)),
            summary="fused linear per-token log-probs and entropy (RL / preference training), with autograd"),
 )
 BACKEND_MODULES = {"logprobs_stats": "logprobs", "logprobs_grad": "logprobs"}

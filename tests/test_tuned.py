@@ -121,6 +121,8 @@ def test_buckets_of_each_op():
                          {"log_target": True})
     assert kl == (16, (("v", 512), ("target", "bfloat16"), ("log_target", "on")))
     assert tuned.bucket_of("mhc_coeffs", (torch.randn(2, 3, 4, 24),), {}) == (8, (("hc", 4), ("c", 32)))
+    assert tuned.bucket_of("fused_linear_logprobs", (x, torch.randn(300, 8), None), {"temperature": 0.7}) == (
+        16, (("v", 512),))
     assert tuned.bucket_of("ce_loss_and_grad", (x,), {}) is None
 
 
@@ -144,6 +146,17 @@ def test_tune_writes_a_table_the_selector_reads(table, capsys):
     assert auto_backend(8) == fastest
     explained = str(dispatch.op("flce").explain(*flce_call(8)))
     assert f"SELECTED (tuned: {entry['ms'][fastest]:.3g} ms measured)" in explained
+
+
+def test_tune_measures_the_log_prob_op_with_upstream_gradients_on_both_outputs(table, capsys):
+    args = tune_args("--out", str(table))
+    args.ops = ["fused_linear_logprobs"]
+    assert tune.run(args, "cpu", torch.float32, interpreted=True) == 0
+    (entry,) = tuned.read_table(table)[1]
+    assert (entry["op"], entry["n"], entry["bucket"], set(entry["ms"])) == (
+        "fused_linear_logprobs", 8, "v=64", {"triton", "helion"})
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and "FAILED" not in out
 
 
 def test_tune_on_the_cpu_says_there_is_nothing_to_tune_at_once(tmp_path, capsys):
