@@ -39,6 +39,7 @@ class Settings:
     l2_bytes: int
     seed: int = 0
     warm: bool = False  # L2 not flushed between repetitions, one input set (what a repeated training step sees)
+    truth: Optional[torch.dtype] = None  # check against the formula in this dtype (float64), not in the input dtype
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
     _cleanup(s.device)
 
     note = [] if checked_at == case.n else [f"checked at {checked_at}"]
+    if s.truth is not None:
+        note.insert(0, f"errors against {str(s.truth).removeprefix('torch.')}")
     sets = _input_sets(case, s, workload) if passed else []
     if len(sets) > 1:
         note.append(f"inputs rotated over {len(sets)} sets")
@@ -175,7 +178,8 @@ def _reference(case: Case, s: Settings, workload: Workload):
     while True:
         inputs = workload.make_inputs(at, s.device, s.seed + 1)
         try:
-            return inputs, timing.run(workload.reference(case), inputs, case.mode), at.n
+            truth_inputs = inputs if s.truth is None else _converted(inputs, s.truth)
+            return inputs, timing.run(workload.reference(case), truth_inputs, case.mode), at.n
         except Exception as exc:
             if not _is_oom(exc) or shapes.halved(at) is None:
                 raise
@@ -184,9 +188,23 @@ def _reference(case: Case, s: Settings, workload: Workload):
         at = shapes.halved(at)
 
 
+def _converted(inputs: timing.Inputs, dtype: torch.dtype) -> timing.Inputs:
+    """The same call with its floating-point tensors in `dtype` (leaves stay leaves, upstream gradients follow)."""
+    def convert(t):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+    converted = {id(t): convert(t) for t in (*inputs.args, *inputs.kwargs.values())}
+    return timing.Inputs(tuple(converted[id(t)] for t in inputs.args),
+                         {k: converted[id(t)] for k, t in inputs.kwargs.items()},
+                         [converted[id(t)] for t in inputs.leaves],
+                         None if inputs.upstream is None else tuple(map(convert, inputs.upstream)))
+
+
 def _check(p: Provider, case: Case, inputs, want, checked_at: int, s: Settings, reference_provider: Optional[str]):
     """(failing outcome or None, the provider's callable, (output error, gradient error))."""
-    if p.name == reference_provider and checked_at == case.n:
+    if p.name == reference_provider and checked_at == case.n and s.truth is None:
         return None, p.build(case), (math.nan, math.nan)  # it is the reference
     failed = None
     try:

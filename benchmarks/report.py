@@ -37,6 +37,8 @@ fwd 4NHV, bwd 4NHV; fwd+bwd is the sum. mHC is bound by bytes: x and phi read on
 gradients written once. fwd runs under torch.no_grad; bwd times backward alone. Every provider is first
 checked against the torch eager formulas (torch is the reference) on fresh random inputs: relative norm of
 the loss or outputs and of every gradient, bf16 and fp16 1e-2, fp32 2e-3; FAIL rows are not timed.
+Rows noting "errors against float64" (`--truth float64`) were checked against the same formula on the same
+inputs in float64 instead, torch included.
 torch.compile is compiled once per shape preset (N dynamic), before timing. Modes ending in "-warm" (`--warm`)
 time the same way without the L2 flush, on one input set."""
 

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from rich.console import Console
@@ -69,11 +70,11 @@ def add_timing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def timing_settings(args: argparse.Namespace, device: torch.device, started: float,
-                    warm: bool = False) -> measure.Settings:
+def timing_settings(args: argparse.Namespace, device: torch.device, started: float, warm: bool = False,
+                    truth: Optional[torch.dtype] = None) -> measure.Settings:
     """The measure.Settings of add_timing_options' options, for a run that started at time.monotonic() `started`."""
     return measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
-                            timing.l2_bytes(device), args.seed, warm)
+                            timing.l2_bytes(device), args.seed, warm, truth)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,6 +95,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     p.add_argument("--warm", action="store_true", help="time without flushing L2 between repetitions, on one "
                    "input set (rows get the mode fwd+bwd-warm etc., beside the flushed ones)")
+    p.add_argument("--truth", choices=("formula", "float64"), default="formula",
+                   help="what every provider is checked against: the op's eager formula in the input dtype, or that "
+                   "formula on the same inputs in float64 (the error columns are then the distance to float64, and "
+                   "the torch provider is checked too)")
     add_timing_options(p)
     args = p.parse_args(argv)
     args.ops = _listed(args.ops)
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"{env.gpu} | driver {env.driver} | " + " | ".join(f"{k} {v}" for k, v in env.versions.items()))
     tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
-    settings = timing_settings(args, device, started, args.warm)
+    settings = timing_settings(args, device, started, args.warm, torch.float64 if args.truth == "float64" else None)
     plan = _plan(args, device, console)
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / f"{env.gpu_short}.csv"

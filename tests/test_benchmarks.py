@@ -122,3 +122,22 @@ def test_kernel_times_groups_by_name_in_launch_order():
         done = subprocess.run([sys.executable, "-m", "benchmarks.run", "kernel-times", "--shape", "tiny", "--n", "16"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
+
+
+def test_float64_truth_checks_every_provider_against_the_formula_in_float64(tmp_path):
+    """--truth float64: the error columns are the distance to the formula in float64 on the same inputs, so the torch
+    provider (otherwise the reference itself, with no error) gets a bf16-sized error too, and each row says so."""
+    from benchmarks import run
+
+    out = tmp_path / "results"
+    argv = ["--ops", "fused_linear_logprobs", "--shapes", "tiny", "--providers", "torch", "ours", "--rep-ms", "1",
+            "--warmup-ms", "1", "--out", str(out)]
+    assert run.main([*argv, "--truth", "float64"]) == 0
+    rows = report.read_csv(out / "cpu.csv")
+    assert {r["provider"] for r in rows} == {"torch", "ours"}
+    for r in rows:
+        assert r["status"] == "ok" and "errors against float64" in r["note"], r
+        assert 0 < float(r["err_out"]) < 1e-2 and 0 < float(r["err_grad"]) < 1e-2, r
+    assert run.main(argv) == 0  # the formula in bf16: torch is the reference, with no error of its own
+    torch_rows = [r for r in report.read_csv(out / "cpu.csv") if r["provider"] == "torch"]
+    assert torch_rows and all(r["err_out"] == "" and "float64" not in r["note"] for r in torch_rows), torch_rows
