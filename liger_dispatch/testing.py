@@ -45,6 +45,7 @@ from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
 from liger_dispatch.registry.cases import Case, Inputs, leaf
+from liger_dispatch.timing import cuda_graph
 
 # relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
@@ -347,11 +348,7 @@ def check_compile(op, backend, device) -> list[Measurement]:
     from torch._dynamo.utils import counters
 
     args, kwargs = sample_call(op, device)
-    handle = dispatch.op(op, backend=backend)
-
-    def call(*a):
-        return handle(*a, **kwargs)
-
+    call = functools.partial(dispatch.op(op, backend=backend), **kwargs)
     eager_args, compiled_args = _fresh(args), _fresh(args)
     want = _outputs_and_grads(call, eager_args)
     counters.clear()
@@ -368,12 +365,9 @@ def check_compile(op, backend, device) -> list[Measurement]:
 def check_cuda_graph(op, backend, device) -> list[Measurement]:
     """The sample call (forward and backward) captured in a CUDA graph and replayed equals eager."""
     args, kwargs = sample_call(op, device)
-    handle = dispatch.op(op, backend=backend)
+    call = functools.partial(dispatch.op(op, backend=backend), **kwargs)
     mutated = _mutated(op)
     static = _fresh(args)
-
-    def call(*a):
-        return handle(*a, **kwargs)
 
     def step():
         for i in mutated:  # an in-place kernel starts from the same values every replay (args stay unwritten)
@@ -381,15 +375,7 @@ def check_cuda_graph(op, backend, device) -> list[Measurement]:
         return _outputs_and_grads(call, static)
 
     want = _outputs_and_grads(call, _fresh(args))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture: first-call planning, compilation, allocations
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
+    graph, got = cuda_graph(step, warmups=2)
     graph.replay()
     torch.cuda.synchronize()
     return _against_eager("replayed", got, want)
