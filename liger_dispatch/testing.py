@@ -45,7 +45,7 @@ from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
 from liger_dispatch.registry.cases import Case, Inputs, leaf
-from liger_dispatch.timing import cuda_graph
+from liger_dispatch.timing import cuda_graph, outputs
 
 # relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
@@ -102,14 +102,8 @@ def assert_rel_close(name, got, want, tol):
 
 def worst(measurements: Sequence[Measurement]) -> Measurement:
     """The failing measurement if any (the first), else the one closest to its limit."""
-    failing = [m for m in measurements if not m.ok]
-    if failing:
-        return failing[0]
-    return max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
-
-
-def _as_tuple(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
+    failing = next((m for m in measurements if not m.ok), None)
+    return failing or max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
 
 
 def _copies(inputs: dict, grad_names, widen=False) -> dict:
@@ -127,8 +121,8 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
     tol = TOLERANCE[dtype]
     mine = _copies(inputs, grad_names)
     theirs = _copies(inputs, grad_names, widen=True)  # the truth from the same (already rounded) inputs
-    got = _as_tuple(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
-    want = _as_tuple(getattr(formulas, op)(*theirs.values(), **kwargs))
+    got = outputs(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
+    want = outputs(getattr(formulas, op)(*theirs.values(), **kwargs))
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
         if g is None and w is None:  # an output the call did not ask for (CrossEntropyOutput's None fields)
@@ -148,7 +142,7 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
 
 def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
     """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
-    outs = _as_tuple(dispatch.op(op, backend=backend)(*inputs.values(), **kwargs))
+    outs = outputs(dispatch.op(op, backend=backend)(*inputs.values(), **kwargs))
     results = []
     for i, o in enumerate(outs):
         if kwargs.get("reduction") == "none" or o.dim():
@@ -288,7 +282,7 @@ def _fresh(args: tuple, grad: bool = True) -> tuple:
 
 
 def _tensors(out) -> tuple:
-    return tuple(o for o in _as_tuple(out) if isinstance(o, torch.Tensor))
+    return tuple(o for o in outputs(out) if isinstance(o, torch.Tensor))
 
 
 def _outputs_and_grads(fn, args):
