@@ -285,10 +285,8 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
     wanted = res.requested[: res.requested.index(chosen.backend)] if chosen.backend in res.requested else res.requested
     relevant = [r for r in rejected if (r.backend in wanted if res.requested else _better(r))]
     why = _describe(relevant) or "no reason recorded"
-    if res.requested:
-        message = f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call"
-    else:
-        message = "no backend other than the reference can serve this call"
+    message = (f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call" if res.requested
+               else "no backend other than the reference can serve this call")
     if strict():
         raise BackendUnavailableError(f"liger_dispatch: {res.op}: {message} [{why}]; {settings.STRICT.name} is set, "
                                       f"so this is an error instead of a fallback to '{chosen.backend}'")
