@@ -61,20 +61,12 @@ def env_key(op: str) -> str:
 
 
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies)."""
-    if TABLE.spec(op).internal:
-        return "auto", ()
-    if pinned:
-        return "backend= on the handle", pinned
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return "use_backend()", stack[-1]
-    value = getenv(env_key(op))
-    if value:
-        return env_key(op), parse_backends(value)
-    value = getenv("LIGER_BACKEND")
-    if value:
-        return "LIGER_BACKEND", parse_backends(value)
+    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies): the
+    first of `preferences` that is set (a use_backend() block even when it names none)."""
+    sources = ("backend= on the handle", "use_backend()", env_key(op), "LIGER_BACKEND")
+    for source, value in zip(sources, preferences(op, pinned or None)):
+        if value not in (None, ""):
+            return source, parse_backends(value)
     return "auto", ()
 
 
