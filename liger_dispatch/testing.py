@@ -229,14 +229,12 @@ def unavailable(op, backend, device, dtype) -> Optional[str]:
     if backend in dispatch.available_backends(op, device=device, dtype=dtype):
         return None
     reason = f"{backend} cannot serve {op} on {device.type} in {dtype_name(dtype)}"
-    try:
+    with contextlib.suppress(Exception):  # the reason is a courtesy; the answer is available_backends'
         args, kwargs = sample_call(op, device, dtype)
         lines = [line.split("cannot serve: ", 1)[1] for line in dispatch.op(op).explain(*args, **kwargs).lines
                  if line.lstrip().startswith((f"{backend} ", f"{backend}:")) and "cannot serve: " in line]
         if lines:
             reason += f": {lines[0]}"
-    except Exception:  # the reason is a courtesy; the answer is available_backends'
-        pass
     return reason
 
 
