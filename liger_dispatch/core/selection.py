@@ -200,9 +200,7 @@ class Choice:
     def fallback(self) -> Optional[Callable[[], None]]:
         """What warns about this fallback (once per reason) or raises under LIGER_STRICT, uncalled; None when the
         implementation is the one asked for."""
-        if not self.is_fallback:
-            return None
-        return functools.partial(_fallback, self.resolution, self.impl, self.rejected)
+        return functools.partial(_fallback, self.resolution, self.impl, self.rejected) if self.is_fallback else None
 
     def status(self) -> dict[str, Optional[str]]:
         """For every backend considered: None when it can serve (statically), else why not."""
