@@ -304,7 +304,7 @@ def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
     writes in place."""
     args, kwargs = sample_call(op, device)
     mine = _fresh(args, grad=False)
-    mine_kwargs, theirs_kwargs = (dict(zip(kwargs, _fresh(tuple(kwargs.values()), grad=False))) for _ in range(2))
+    mine_kwargs, theirs_kwargs = _copies(kwargs, ()), _copies(kwargs, ())
     theirs = tuple(_widened(a) for a in args)
     got = dispatch.op(op, backend=backend)(*mine, **mine_kwargs)
     try:
