@@ -17,9 +17,8 @@ class Explanation:
     """What `OpHandle.explain` returns: the implementation that would run, and why the others would not."""
 
     def __init__(self, impl: Optional[Impl], lines: list[str]):
-        self.impl = impl
+        self.impl, self.lines = impl, lines
         self.backend = impl.backend if impl is not None else None
-        self.lines = lines
 
     def __str__(self) -> str:
         return "\n".join(self.lines)

@@ -68,10 +68,6 @@ def _choice(raw: str, options: tuple[str, ...]) -> str:
     return raw.lower()
 
 
-def text(raw: str) -> str:
-    return raw
-
-
 def file_list(raw: str) -> tuple[str, ...]:
     """Paths separated by os.pathsep (empty entries skipped); a directory is not a file."""
     paths = tuple(p for p in raw.split(os.pathsep) if p)
@@ -129,11 +125,11 @@ TUNED_TABLE = Setting("LIGER_TUNED_TABLE", file_list, f"tuned-table files separa
                       "more tuned tables for auto selection, winning over the committed ones (tuned.py)")
 HELION_AUTOTUNE = Setting("LIGER_HELION_AUTOTUNE", boolean, _BOOLEAN, False,
                           "let Helion autotune at run time instead of using the committed configs")
-HELION_CONFIG_DIR = Setting("LIGER_HELION_CONFIG_DIR", text, "a directory", None,
+HELION_CONFIG_DIR = Setting("LIGER_HELION_CONFIG_DIR", str, "a directory", None,
                             "where the Helion backend reads its config tables (default: its configs/)")
 CUTEDSL_TVM_FFI = Setting("LIGER_CUTEDSL_TVM_FFI", boolean, _BOOLEAN, True,
                           "launch CuTeDSL kernels through TVM-FFI when apache-tvm-ffi is installed")
-CUTEDSL_DUMP_DIR = Setting("LIGER_CUTEDSL_DUMP_DIR", text, "a directory", None,
+CUTEDSL_DUMP_DIR = Setting("LIGER_CUTEDSL_DUMP_DIR", str, "a directory", None,
                            "keep each compiled CuTeDSL kernel's cubin there")
 # Other tools' switches that decide where our backends can run; read as those tools read them.
 TRITON_INTERPRET = Setting("TRITON_INTERPRET", switched_on, "1/true/yes/on to turn it on", False,

@@ -45,6 +45,7 @@ from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
 from liger_dispatch.registry.cases import Case, Inputs, leaf
+from liger_dispatch.timing import cuda_graph, outputs
 
 # relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
@@ -101,14 +102,8 @@ def assert_rel_close(name, got, want, tol):
 
 def worst(measurements: Sequence[Measurement]) -> Measurement:
     """The failing measurement if any (the first), else the one closest to its limit."""
-    failing = [m for m in measurements if not m.ok]
-    if failing:
-        return failing[0]
-    return max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
-
-
-def _as_tuple(out) -> tuple:
-    return out if isinstance(out, tuple) else (out,)
+    failing = next((m for m in measurements if not m.ok), None)
+    return failing or max(measurements, key=lambda m: m.error / m.tolerance if m.tolerance else m.error)
 
 
 def _copies(inputs: dict, grad_names, widen=False) -> dict:
@@ -126,8 +121,8 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
     tol = TOLERANCE[dtype]
     mine = _copies(inputs, grad_names)
     theirs = _copies(inputs, grad_names, widen=True)  # the truth from the same (already rounded) inputs
-    got = _as_tuple(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
-    want = _as_tuple(getattr(formulas, op)(*theirs.values(), **kwargs))
+    got = outputs(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
+    want = outputs(getattr(formulas, op)(*theirs.values(), **kwargs))
     results, total_got, total_want = [], 0, 0
     for i, (g, w) in enumerate(zip(got, want)):
         if g is None and w is None:  # an output the call did not ask for (CrossEntropyOutput's None fields)
@@ -147,7 +142,7 @@ def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=N
 
 def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
     """Zero rows: loss 0 (as when every row is ignored), an empty per-row result, zero or empty gradients."""
-    outs = _as_tuple(dispatch.op(op, backend=backend)(*inputs.values(), **kwargs))
+    outs = outputs(dispatch.op(op, backend=backend)(*inputs.values(), **kwargs))
     results = []
     for i, o in enumerate(outs):
         if kwargs.get("reduction") == "none" or o.dim():
@@ -234,14 +229,12 @@ def unavailable(op, backend, device, dtype) -> Optional[str]:
     if backend in dispatch.available_backends(op, device=device, dtype=dtype):
         return None
     reason = f"{backend} cannot serve {op} on {device.type} in {dtype_name(dtype)}"
-    try:
+    with contextlib.suppress(Exception):  # the reason is a courtesy; the answer is available_backends'
         args, kwargs = sample_call(op, device, dtype)
         lines = [line.split("cannot serve: ", 1)[1] for line in dispatch.op(op).explain(*args, **kwargs).lines
                  if line.lstrip().startswith((f"{backend} ", f"{backend}:")) and "cannot serve: " in line]
         if lines:
             reason += f": {lines[0]}"
-    except Exception:  # the reason is a courtesy; the answer is available_backends'
-        pass
     return reason
 
 
@@ -287,7 +280,7 @@ def _fresh(args: tuple, grad: bool = True) -> tuple:
 
 
 def _tensors(out) -> tuple:
-    return tuple(o for o in _as_tuple(out) if isinstance(o, torch.Tensor))
+    return tuple(o for o in outputs(out) if isinstance(o, torch.Tensor))
 
 
 def _outputs_and_grads(fn, args):
@@ -311,7 +304,7 @@ def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
     writes in place."""
     args, kwargs = sample_call(op, device)
     mine = _fresh(args, grad=False)
-    mine_kwargs, theirs_kwargs = (dict(zip(kwargs, _fresh(tuple(kwargs.values()), grad=False))) for _ in range(2))
+    mine_kwargs, theirs_kwargs = _copies(kwargs, ()), _copies(kwargs, ())
     theirs = tuple(_widened(a) for a in args)
     got = dispatch.op(op, backend=backend)(*mine, **mine_kwargs)
     try:
@@ -347,11 +340,7 @@ def check_compile(op, backend, device) -> list[Measurement]:
     from torch._dynamo.utils import counters
 
     args, kwargs = sample_call(op, device)
-    handle = dispatch.op(op, backend=backend)
-
-    def call(*a):
-        return handle(*a, **kwargs)
-
+    call = functools.partial(dispatch.op(op, backend=backend), **kwargs)
     eager_args, compiled_args = _fresh(args), _fresh(args)
     want = _outputs_and_grads(call, eager_args)
     counters.clear()
@@ -368,12 +357,9 @@ def check_compile(op, backend, device) -> list[Measurement]:
 def check_cuda_graph(op, backend, device) -> list[Measurement]:
     """The sample call (forward and backward) captured in a CUDA graph and replayed equals eager."""
     args, kwargs = sample_call(op, device)
-    handle = dispatch.op(op, backend=backend)
+    call = functools.partial(dispatch.op(op, backend=backend), **kwargs)
     mutated = _mutated(op)
     static = _fresh(args)
-
-    def call(*a):
-        return handle(*a, **kwargs)
 
     def step():
         for i in mutated:  # an in-place kernel starts from the same values every replay (args stay unwritten)
@@ -381,15 +367,7 @@ def check_cuda_graph(op, backend, device) -> list[Measurement]:
         return _outputs_and_grads(call, static)
 
     want = _outputs_and_grads(call, _fresh(args))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture: first-call planning, compilation, allocations
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
+    graph, got = cuda_graph(step, warmups=2)
     graph.replay()
     torch.cuda.synchronize()
     return _against_eager("replayed", got, want)

@@ -291,18 +291,24 @@ def kernels(fn: Callable, device: torch.device, calls: int = 1,
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
-    """Per replay of fn captured in one CUDA graph (warmed up on a side stream first, as torch.cuda.graph asks),
-    replays back to back: the GPU's time for the call with no host in the way; None off CUDA."""
-    if device.type != "cuda":
-        return None
+def cuda_graph(fn: Callable, warmups: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(fn captured in a CUDA graph, what the captured call returned); fn is first run `warmups` times on a side
+    stream, outside the capture, as torch.cuda.graph asks (first-call planning, compilation, allocations)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return wall_us(graph.replay, device, calls)
+        out = fn()
+    return graph, out
+
+
+def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
+    """Per replay of fn captured in one CUDA graph (cuda_graph), replays back to back: the GPU's time for the call
+    with no host in the way; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return wall_us(cuda_graph(fn)[0].replay, device, calls)

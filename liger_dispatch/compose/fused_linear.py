@@ -116,10 +116,8 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     widest = vocab if vocab_parallel is None else vocab_parallel.widest
     rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
     done = 0 if kept is None else kept.shape[0]  # rows whose logits are there already
-    if kept is not None and done >= min(rows, n - done):
-        buffer = kept
-    else:
-        buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
+    reuse = kept is not None and done >= min(rows, n - done)
+    buffer = kept if reuse else torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=grad_bounds.wide(x), device=x.device) if want_db else None

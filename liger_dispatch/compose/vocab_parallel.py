@@ -204,9 +204,7 @@ def _dtensor_types():
     Another thread may be importing it: a module still without DTensor holds no DTensor yet either."""
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
-    if dtensor is None:
-        return None
-    return dtensor, getattr(module, "Replicate"), getattr(module, "Shard")
+    return None if dtensor is None else (dtensor, module.Replicate, module.Shard)
 
 
 def _is_dtensor(t) -> bool:

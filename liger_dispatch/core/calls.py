@@ -32,6 +32,7 @@ calls whose signature cannot be hashed (an unhashable option) or read (a tensor 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Optional
 
@@ -116,10 +117,8 @@ def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
         reset()
     # under the table's version the plan was made at: the call's discovery may have registered backends since
     # the key was made, and the next call makes its key with this one
-    try:
+    with contextlib.suppress(TypeError):  # an unhashable option: not remembered
         _plans[(*call_key[:_VERSION], TABLE.version_of(call_key[0].name), call_key[-1])] = plan
-    except TypeError:  # an unhashable option: not remembered
-        pass
 
 
 def reset() -> None:

@@ -72,9 +72,7 @@ def mismatch(expected, got) -> Optional[str]:
     if not isinstance(got, torch.Tensor):
         return f"returned {type(got).__name__} where the op returns {_show(want)}"
     have = _meta(got)
-    if have != want:
-        return f"returned {_show(have)} where the op returns {_show(want)}"
-    return None
+    return None if have == want else f"returned {_show(have)} where the op returns {_show(want)}"
 
 
 def check(op: str, backend: str, expected, got) -> None:

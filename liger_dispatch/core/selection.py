@@ -61,20 +61,12 @@ def env_key(op: str) -> str:
 
 
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies)."""
-    if TABLE.spec(op).internal:
-        return "auto", ()
-    if pinned:
-        return "backend= on the handle", pinned
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return "use_backend()", stack[-1]
-    value = getenv(env_key(op))
-    if value:
-        return env_key(op), parse_backends(value)
-    value = getenv("LIGER_BACKEND")
-    if value:
-        return "LIGER_BACKEND", parse_backends(value)
+    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies): the
+    first of `preferences` that is set (a use_backend() block even when it names none)."""
+    sources = ("backend= on the handle", "use_backend()", env_key(op), "LIGER_BACKEND")
+    for source, value in zip(sources, preferences(op, pinned or None)):
+        if value not in (None, ""):
+            return source, parse_backends(value)
     return "auto", ()
 
 
@@ -208,9 +200,7 @@ class Choice:
     def fallback(self) -> Optional[Callable[[], None]]:
         """What warns about this fallback (once per reason) or raises under LIGER_STRICT, uncalled; None when the
         implementation is the one asked for."""
-        if not self.is_fallback:
-            return None
-        return functools.partial(_fallback, self.resolution, self.impl, self.rejected)
+        return functools.partial(_fallback, self.resolution, self.impl, self.rejected) if self.is_fallback else None
 
     def status(self) -> dict[str, Optional[str]]:
         """For every backend considered: None when it can serve (statically), else why not."""
@@ -285,10 +275,8 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
     wanted = res.requested[: res.requested.index(chosen.backend)] if chosen.backend in res.requested else res.requested
     relevant = [r for r in rejected if (r.backend in wanted if res.requested else _better(r))]
     why = _describe(relevant) or "no reason recorded"
-    if res.requested:
-        message = f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call"
-    else:
-        message = "no backend other than the reference can serve this call"
+    message = (f"requested {', '.join(wanted)} (from {res.source}) cannot serve this call" if res.requested
+               else "no backend other than the reference can serve this call")
     if strict():
         raise BackendUnavailableError(f"liger_dispatch: {res.op}: {message} [{why}]; {settings.STRICT.name} is set, "
                                       f"so this is an error instead of a fallback to '{chosen.backend}'")

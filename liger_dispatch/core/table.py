@@ -32,8 +32,7 @@ class TensorSpec:
     __slots__ = ("shape", "dtype")
 
     def __init__(self, shape: tuple[int, ...], dtype) -> None:
-        self.shape = shape
-        self.dtype = dtype
+        self.shape, self.dtype = shape, dtype
 
     def dim(self) -> int:
         return len(self.shape)
@@ -168,9 +167,7 @@ class OpTable:
             if same and not replace and same[0].fn is not impl.fn:
                 raise RegistrationError(f"backend {impl.backend!r} already registered {same[0].fn.__qualname__} as its "
                                         f"implementation of {spec.name}; pass replace=True to replace it")
-            impls = [i for i in self._registered.get(impl.op, []) if i not in same]
-            impls.append(impl)
-            self._registered[impl.op] = impls
+            self._registered[impl.op] = [*(i for i in self._registered.get(impl.op, []) if i not in same), impl]
             self._backend_names.setdefault(impl.backend, None)
             concerned = [spec.name, *(n for n, s in self._ops.items() if spec.name in s.composed_of)]
             for name in concerned:
