@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from liger_dispatch.backends.triton import mhc
+from liger_dispatch.backends.triton import _support, mhc
 from kernel_checks import rel_err
 from mhc_checks import (GRAD_NAMES, MISSING_GRADS, MISSING_GRADS_IDS, OPTIONS, REL_TOL, check_empty_batch, check_mhc,
                         inputs, upstream)
@@ -200,7 +200,7 @@ def _check_direct_launch():
 
     driver.set_active(Driver())
     JITFunction._do_compile = compile_stand_in
-    assert mhc._FAST_LAUNCH
+    assert _support._FAST_LAUNCH
 
     def layout(a):
         if isinstance(a, torch.Tensor):
@@ -236,9 +236,9 @@ def _check_direct_launch():
         call(args, grads, shape["hc"], fwd_config, bwd_config)
         args = tuple(changed.get(i, a) for i, a in enumerate(args))
         direct = call(args, grads, shape["hc"], fwd_config, bwd_config)
-        mhc._FAST_LAUNCH = False
+        _support._FAST_LAUNCH = False
         through_triton = call(args, grads, shape["hc"], fwd_config, bwd_config)
-        mhc._FAST_LAUNCH = True
+        _support._FAST_LAUNCH = True
         assert len(direct) == len(through_triton) == (5 if fwd_config else 4), shape
         for d, t in zip(direct, through_triton):
             assert d[:2] == t[:2], (shape, d, t)  # the same compiled kernel (specialization), grid and stream
@@ -246,6 +246,21 @@ def _check_direct_launch():
             assert (d[3] == (None, None, None)) == (not changed), d[3]  # direct: no launch hooks
             if changed:  # through Triton's launch both times: tensors
                 assert [layout(v) for v in d[2]] == [layout(v) for v in t[2]], (shape, d, t)
+
+    # The label check and the gradient scale (backends/triton/support.py) launch the same way.
+    from liger_dispatch.backends.triton import support
+
+    target, grad, grad_loss = torch.arange(5), torch.ones(10), torch.ones(())
+    for launch_once in (lambda: support.launch_check(target, 7, -100), lambda: support.launch_scale(grad, grad_loss)):
+        launches.clear()
+        launch_once()  # through Triton's launch: compiles and keeps the kernel
+        launch_once()  # direct
+        _support._FAST_LAUNCH = False
+        launch_once()
+        _support._FAST_LAUNCH = True
+        (_, direct), (_, through_triton) = launches[1:]
+        assert launches[1][0] is launches[2][0] and direct[:6] == through_triton[:6], launches
+        assert direct[6:9] == (None, None, None) and all(map(same_argument, direct[9:], through_triton[9:])), launches
 
 
 # ---------------------------------------------------------------- GPU, real shapes
@@ -263,7 +278,7 @@ def test_gpu_direct_launch_matches_triton_launch(monkeypatch):
 
     fwd_bwd()  # compiles and keeps the kernels
     direct = fwd_bwd()
-    monkeypatch.setattr(mhc, "_FAST_LAUNCH", False)
+    monkeypatch.setattr(_support, "_FAST_LAUNCH", False)
     for name, a, b in zip(("h_pre", "h_post", "h_res", "mix", "rstd", *GRAD_NAMES), direct, fwd_bwd()):
         assert torch.equal(a, b), name
 

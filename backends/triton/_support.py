@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 from triton.language.extra import libdevice
 
 from liger_dispatch import Capability, settings
@@ -160,3 +162,65 @@ def zero_row(X, LOSS, row, n_cols: tl.constexpr, BLOCK: tl.constexpr):
     """An ignored row: gradient 0 over the whole row, loss 0."""
     zero_cols(X, n_cols, BLOCK)
     tl.store(LOSS + row, 0.0)
+
+
+# ---------------------------------------------------------------- direct launches
+
+_FAST_LAUNCH = not INTERPRETING.value
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is installed (Triton keeps them as hook chains, empty unless a profiler is on)."""
+    return hook is not None and bool(getattr(hook, "calls", hook))
+
+
+def direct_target(*tensors):
+    """(device, stream) for launching compiled kernels directly, or None when this call must go through
+    Triton's launch: under the interpreter, with a launch hook installed (profilers), or when a pointer is
+    not 16-byte aligned (besides dtypes, the one thing Triton specializes a pointer on). None entries skipped."""
+    if not _FAST_LAUNCH:
+        return None
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    if bits & 15 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return None
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+class Launch:
+    """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors (or, once
+    compiled for the device, their addresses).
+
+    Triton's launch binds and specializes every argument and looks the compiled kernel up: ~15 us of Python.
+    The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
+    straight to that kernel's launcher, the tensors as their addresses (given a tensor, the launcher asks the
+    driver about each pointer, cuPointerGetAttribute; given an int, it takes it). Sound because the owning plan
+    fixes every scalar and dtype, and a direct target means every pointer is aligned: all that Triton specializes
+    on (that every tensor is on the device is the op's check, same_device)."""
+
+    __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
+
+    def __init__(self, kernel, grid, scalars, *, num_warps, num_stages=3, **constexprs):
+        self.kernel, self.grid, self.scalars = kernel, (*grid, 1, 1)[:3], scalars
+        self.options = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+        # The launcher takes every parameter positionally: tensors, scalars, then the constexprs, which
+        # come last in each kernel's signature here.
+        names = kernel.arg_names[len(kernel.arg_names) - len(constexprs):]
+        assert set(names) == set(constexprs), (kernel.arg_names, constexprs)
+        self.tail = (*scalars, *(constexprs[name] for name in names))
+        self.compiled = {}
+
+    def __call__(self, target, *tensors):
+        if target is not None:
+            compiled = self.compiled.get(target[0])
+            if compiled is not None:
+                run, function, metadata = compiled
+                run(*self.grid, target[1], function, metadata, None, None, None,
+                    *[t if type(t) is int else t.data_ptr() for t in tensors], *self.tail)
+                return
+        kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        if target is not None and kernel is not None:
+            self.compiled[target[0]] = (kernel.run, kernel.function, kernel.packed_metadata)

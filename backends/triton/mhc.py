@@ -14,7 +14,7 @@ Backward (three launches):
        kernel split M into groups.
 No atomics anywhere: every reduction runs in a fixed order.
 Host side: what a call derives from its signature is planned once per signature, and the compiled kernels
-are launched directly after the first call (_Launch), which keeps the Python cost of a launch near 1 us.
+are launched directly after the first call (_support.Launch), which keeps the Python cost of a launch near 1 us.
 """
 
 import dataclasses
@@ -23,15 +23,13 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime import driver
 
 from liger_dispatch import register_backend
 
 from .._host import BoundedCache, Scratch, contiguous, sm_count, unit_column_stride
 from .._launch import LaunchKnobs, given
 from .._mhc import backward_results, cdiv, columns, forward_outputs
-from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY
+from ._support import CAPABILITY, INTERPRETING, LOG2E, PRIORITY, Launch, direct_target
 
 SUPPORTED_HC = (2, 4, 8)
 
@@ -373,69 +371,11 @@ def _bwd_reduce_kernel(
 # M are rounded up to powers of two so a run with varying M compiles a handful of kernel variants.
 # ----------------------------------------------------------------------------------------------
 
-_FAST_LAUNCH = not INTERPRETING.value
 _F32 = torch.float32
 
 
 def _pow2(v: int) -> int:
     return 1 << (max(1, v) - 1).bit_length()
-
-
-def _hooked(hook) -> bool:
-    """A launch hook is installed (Triton keeps them as hook chains, empty unless a profiler is on)."""
-    return hook is not None and bool(getattr(hook, "calls", hook))
-
-
-def _direct_target(*tensors):
-    """(device, stream) for launching compiled kernels directly, or None when this call must go through
-    Triton's launch: under the interpreter, with a launch hook installed (profilers), or when a pointer is
-    not 16-byte aligned (besides dtypes, the one thing Triton specializes a pointer on). None entries skipped."""
-    if not _FAST_LAUNCH:
-        return None
-    bits = 0
-    for t in tensors:
-        if t is not None:
-            bits |= t.data_ptr()
-    if bits & 15 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        return None
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
-
-
-class _Launch:
-    """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors (or, once
-    compiled for the device, their addresses).
-
-    Triton's launch binds and specializes every argument and looks the compiled kernel up: ~15 us of Python.
-    The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
-    straight to that kernel's launcher, the tensors as their addresses (given a tensor, the launcher asks the
-    driver about each pointer, cuPointerGetAttribute; given an int, it takes it). Sound because the owning plan
-    fixes every scalar and dtype, and a direct target means every pointer is aligned: all that Triton specializes
-    on (that every tensor is on the device is the op's check, same_device)."""
-
-    __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
-
-    def __init__(self, kernel, grid, scalars, *, num_warps, num_stages=3, **constexprs):
-        self.kernel, self.grid, self.scalars = kernel, (*grid, 1, 1)[:3], scalars
-        self.options = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
-        # The launcher takes every parameter positionally: tensors, scalars, then the constexprs, which
-        # come last in each kernel's signature here.
-        names = kernel.arg_names[len(kernel.arg_names) - len(constexprs):]
-        assert set(names) == set(constexprs), (kernel.arg_names, constexprs)
-        self.tail = (*scalars, *(constexprs[name] for name in names))
-        self.compiled = {}
-
-    def __call__(self, target, *tensors):
-        if target is not None:
-            compiled = self.compiled.get(target[0])
-            if compiled is not None:
-                run, function, metadata = compiled
-                run(*self.grid, target[1], function, metadata, None, None, None,
-                    *[t if type(t) is int else t.data_ptr() for t in tensors], *self.tail)
-                return
-        kernel = self.kernel[self.grid](*tensors, *self.scalars, **self.options)
-        if target is not None and kernel is not None:
-            self.compiled[target[0]] = (kernel.run, kernel.function, kernel.packed_metadata)
 
 
 _plans = BoundedCache("triton mhc plans", 1024)  # one per call signature
@@ -544,12 +484,12 @@ class _FwdPlan:
         split = cdiv(cdiv(K, bk), k_iters)
         pp, rr = _fwd_tiles(hc)
         tiles = dict(HC=hc, PP=pp, RR=rr, TMAX=tmax)
-        self.main = _Launch(
+        self.main = Launch(
             _fwd_kernel, (cdiv(M, bm), split), (M, K, stride_xm, *scalars), **tiles, BM=bm, BK=bk, K_ITERS=k_iters,
             SPLIT=split, CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if split > 1:
             self.ws_shape = (split, M, pp + rr * hc + 1)
-            self.epilogue = _Launch(_fwd_split_epilogue, (cdiv(M, 32),), (M, K, *scalars), **tiles, BM=32,
+            self.epilogue = Launch(_fwd_split_epilogue, (cdiv(M, 32),), (M, K, *scalars), **tiles, BM=32,
                                     SPLIT=split, num_warps=4)
 
 
@@ -569,7 +509,7 @@ def mhc_coeff_fwd(
     pre, post, res, mix, rstd = forward_outputs(x.shape[0], hc, dev)
     if plan.main is None:
         return pre, post, res, mix, rstd
-    target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res)
+    target = direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res)
     params = (b, alpha_pre, alpha_post, alpha_res, pre, post, res, mix, rstd)
     if plan.epilogue is None:
         plan.main(target, x, phi, *params, mix)
@@ -601,7 +541,7 @@ class _BwdPlan:
         scratch = {"gz": (dot_dtype, (M, n)), "coef": (_F32, (M,)), "part": (_F32, (n_blocks, n + 3))}
         if has_res and tmax > 1:
             scratch["hist"] = (_F32, (M, tmax - 1, hc, hc))
-        self.coeff = _Launch(_bwd_coeff_kernel, (n_blocks,), (*strides, M, K, *scalars), HC=hc, TMAX=tmax, BR=br,
+        self.coeff = Launch(_bwd_coeff_kernel, (n_blocks,), (*strides, M, K, *scalars), HC=hc, TMAX=tmax, BR=br,
                              HAS_PRE=has_pre, HAS_POST=has_post, HAS_RES=has_res, num_warps=4)
 
         # 2. fused MM/RMS backward
@@ -612,14 +552,14 @@ class _BwdPlan:
         if groups > 1:
             scratch["phi_ws"] = (_F32, (groups, K, n))
         self.scratch = Scratch(scratch)
-        self.mm = _Launch(_bwd_mm_kernel, (groups, cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
+        self.mm = Launch(_bwd_mm_kernel, (groups, cdiv(K, bk)), (M, K, stride_xm, K), HC=hc,
                           NP=max(16, _pow2(n)), BM=bm, BK=bk, M_ITERS=m_iters, GROUPED=groups > 1,
                           CAST_F32=cast_f32, DOT_PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
         # 3. deterministic reducer: grad_phi over the row groups (if any), grad_b and the alphas
         rbk, rbb = 2048 // max(16, _pow2(n)), 32
         reduce_kblocks = cdiv(K, rbk) if groups > 1 else 0
-        self.reduce = _Launch(_bwd_reduce_kernel, (reduce_kblocks + 1,), (K, groups, n_blocks, reduce_kblocks),
+        self.reduce = Launch(_bwd_reduce_kernel, (reduce_kblocks + 1,), (K, groups, n_blocks, reduce_kblocks),
                               HC=hc, NP=_pow2(n), BK=rbk, G_ITERS=_pow2(groups), BB=rbb,
                               B_ITERS=_pow2(cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
 
@@ -649,7 +589,7 @@ def mhc_coeff_bwd(
     grad_x, grad_phi, grad_b_alpha, results = backward_results(x, phi, plan.n)
     if M == 0:
         return results
-    target = _direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post,
+    target = direct_target(x, phi, b, alpha_pre, alpha_post, alpha_res, mix, rstd, grad_h_pre, grad_h_post,
                             grad_h_res)
     # one allocation for the scratch buffers, held (memory) until the launches are enqueued
     memory, scratch = plan.scratch.allocate(x.device, addresses=plan.compiled_on(target))

@@ -1,5 +1,6 @@
-"""check_class_indices and scale_grad in Triton (registry/support.py): one launch each, no host sync. On CUDA
-devices only: under the interpreter the reference's torch ops serve CPU tensors faster."""
+"""check_class_indices and scale_grad in Triton (registry/support.py): one launch each, no host sync, launched
+directly after a signature's first call (_support.Launch: ~1 us of Python, not Triton's ~15). On CUDA devices
+only: under the interpreter the reference's torch ops serve CPU tensors faster."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import triton.language as tl
 
 from liger_dispatch import register_backend
 
-from ._support import CAPABILITY, PRIORITY
+from .._host import BoundedCache
+from ._support import CAPABILITY, PRIORITY, Launch, direct_target
 
 CUDA_ONLY = dataclasses.replace(CAPABILITY, devices=("cuda",), dtypes=None)
 LABEL_BLOCK = 1024
 # One block a program: when grad_loss is 1 each program reads it and returns (~n / SCALE_BLOCK tiny programs, tens
 # of us for a 128k x 4k dW), which is the case this kernel exists for.
 SCALE_BLOCK = 8192
+_launches = BoundedCache("triton support launches", 1024)  # one per kernel and call signature
 
 
 @triton.jit(debug=True)  # tl.device_assert is compiled in only in debug mode
@@ -47,15 +50,22 @@ def launch_check(target, vocab, ignore_index, name="target"):
     """The check of a 1-D contiguous target (the interpreter runs it on CPU tensors: the tests)."""
     n = target.numel()
     if n:
-        message = f"{name} holds a class index outside [0, V) that is not ignore_index; LIGER_CHECKS=full names it"
-        _check_kernel[(triton.cdiv(n, LABEL_BLOCK),)](target, n, vocab, ignore_index, MESSAGE=message,
-                                                      BLOCK=LABEL_BLOCK, num_warps=4)
+        def plan():
+            message = f"{name} holds a class index outside [0, V) that is not ignore_index; LIGER_CHECKS=full names it"
+            return Launch(_check_kernel, (triton.cdiv(n, LABEL_BLOCK),), (n, vocab, ignore_index), num_warps=4,
+                          MESSAGE=message, BLOCK=LABEL_BLOCK)
+
+        _launches.get((_check_kernel, n, vocab, ignore_index, name, target.dtype), plan)(direct_target(target), target)
 
 
 def launch_scale(grad, grad_loss):
     n = grad.numel()
     if n:
-        _scale_kernel[(triton.cdiv(n, SCALE_BLOCK),)](grad, grad_loss, n, BLOCK=SCALE_BLOCK, num_warps=8)
+        def plan():
+            return Launch(_scale_kernel, (triton.cdiv(n, SCALE_BLOCK),), (n,), num_warps=8, BLOCK=SCALE_BLOCK)
+
+        key = (_scale_kernel, n, grad.dtype, grad_loss.dtype)
+        _launches.get(key, plan)(direct_target(grad, grad_loss), grad, grad_loss)
 
 
 @register_backend("check_class_indices", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
