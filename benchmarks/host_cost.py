@@ -27,13 +27,17 @@ mhc_coeffs (B=4, HC=4, T x C = 512 x 1024 and 2048 x 4096), forward and torch.au
 flce at N=8, H=64, V=256 (evaluation and RL scoring loops call the op at such sizes), auto ("ours") and every
 backend against torch.nn.functional.cross_entropy(x @ w.T, y): --calls calls back to back, per call (best of
 three), fwd+bwd (gradients set to None in each) and a no_grad forward; target: both <= 2x torch's.
+--profile K: also each loss op's noop handle call under cProfile (--calls calls), its K functions of most own time.
 A backend registered here ("noop", "floor") lasts for the process: run this script on its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import inspect
+import io
+import pstats
 import shlex
 import sys
 import warnings
@@ -232,6 +236,27 @@ def tiny_rows(device: torch.device, calls: int, asked: Optional[list[str]]) -> l
     return rows
 
 
+def profile_lines(device: torch.device, dims: tuple, calls: int, top: int) -> list[str]:
+    """Each loss op's noop handle call under cProfile, `calls` of them: the `top` functions of most own time."""
+    lines = []
+    for op in LM_OPS:
+        case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
+        inputs = workloads.make_inputs(case, device, seed=0)
+        handle = dispatch.op(op, backend=register_noop(op, device))
+        handle(*inputs.args, **inputs.kwargs)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            handle(*inputs.args, **inputs.kwargs)
+        profile.disable()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).strip_dirs().sort_stats("tottime").print_stats(top)
+        listing = out.getvalue().strip().splitlines()
+        start = next(i for i, line in enumerate(listing) if "ncalls" in line)
+        lines += [f"### {op}, {calls} noop handle calls", "", "```text", *listing[start:], "```", ""]
+    return lines
+
+
 TINY_COLUMNS = ("provider", "fwd+bwd us", "no_grad us", "fwd+bwd x torch", "no_grad x torch", "target")
 LOSS_COLUMNS = ("op", "provider", "handle us", "step us", "impl us", "extra us", "wall us", "graph us", "gpu us", "launches",
                 "target")
@@ -252,6 +277,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backends", nargs="+", help="backends to measure (default: every GPU backend serving here)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few calls (the CPU smoke test)")
     parser.add_argument("--out", type=Path, help="also write the tables (markdown) there")
+    parser.add_argument("--profile", type=int, metavar="K", help="also each loss op's noop handle call under cProfile: "
+                        "its K functions of most own time")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     calls = args.calls or (3 if args.quick else 200)
@@ -268,6 +295,9 @@ def main(argv: list[str]) -> int:
                  *table(MHC_COLUMNS, mhc_rows(device, points, calls, args.backends)), "",
                  f"## flce at a tiny shape ({', '.join(f'{k}={v}' for k, v in TINY_DIMS)}), back to back", "",
                  *table(TINY_COLUMNS, tiny_rows(device, calls, args.backends))]
+        if args.profile:
+            lines += ["", f"## Where a noop handle call's host time goes (cProfile, {calls} calls)", "",
+                      *profile_lines(device, loss_dims, calls, args.profile)]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

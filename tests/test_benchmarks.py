@@ -72,10 +72,10 @@ def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
 
 def test_host_cost_runs_on_the_cpu(tmp_path):
     """host-cost through the harness's entry point, end to end at its quick shapes: a row per loss op and provider,
-    mHC's rows, and the tiny-shape flce rows beside torch's cross-entropy."""
+    mHC's rows, the tiny-shape flce rows beside torch's cross-entropy, and each noop handle call's profile."""
     out = tmp_path / "host_cost.md"
     command = [sys.executable, "-m", "benchmarks.run", "host-cost", "--device", "cpu", "--quick", "--backends",
-               "reference", "--out", str(out)]
+               "reference", "--profile", "200", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
@@ -83,6 +83,9 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
         assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
     assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
     assert "| torch |" in text and "| 1.00x | 1.00x |  |" in text and "| ours |" in text
+    profiles = text.split("## Where a noop handle call's host time goes")[1]
+    assert all(f"### {op}, 3 noop handle calls" in profiles for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"))
+    assert "dispatch.py" in profiles and "noop" in profiles  # every frame of the call is listed (200 of them)
 
 
 def test_triton_loss_kernel_cases_match_the_formulas():
