@@ -125,14 +125,19 @@ def _fmt(value: Optional[float], digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _loss_call(op: str, device: torch.device, dims: tuple) -> tuple[Case, workloads.Inputs]:
+    """The case a loss op's host cost is measured at, and its inputs (bf16 on a GPU, fp32 on the CPU)."""
+    case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
+    return case, workloads.make_inputs(case, device, seed=0)
+
+
 def loss_rows(device: torch.device, dims: tuple, calls: int, asked: Optional[list[str]]) -> list[dict]:
     """A row per op and provider, then the noop rows once more in the reverse op order: the first rows of a process
     (right after its first torch.profiler session) have read higher than the same code later."""
     rows, cases = [], {}
     for op in LM_OPS:
-        case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
-        cases[op] = case, workloads.make_inputs(case, device, seed=0)
-        for backend in dict.fromkeys((register_noop(op, device), *_serving(op, device, case.dtype, asked))):
+        cases[op] = _loss_call(op, device, dims)
+        for backend in dict.fromkeys((register_noop(op, device), *_serving(op, device, cases[op][0].dtype, asked))):
             rows.append(_loss_row(op, backend, *cases[op], device, calls))
     for op in reversed(LM_OPS):
         rows.append({**_loss_row(op, "noop", *cases[op], device, calls), "provider": "noop, again"})
@@ -240,8 +245,7 @@ def profile_lines(device: torch.device, dims: tuple, calls: int, top: int) -> li
     """Each loss op's noop handle call under cProfile, `calls` of them: the `top` functions of most own time."""
     lines = []
     for op in LM_OPS:
-        case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
-        inputs = workloads.make_inputs(case, device, seed=0)
+        _, inputs = _loss_call(op, device, dims)
         handle = dispatch.op(op, backend=register_noop(op, device))
         handle(*inputs.args, **inputs.kwargs)
         profile = cProfile.Profile()
