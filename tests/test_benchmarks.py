@@ -72,7 +72,8 @@ def test_vocab_parallel_script_runs_on_a_gloo_group_of_one(tmp_path):
 
 def test_host_cost_runs_on_the_cpu(tmp_path):
     """host-cost through the harness's entry point, end to end at its quick shapes: a row per loss op and provider,
-    mHC's rows, the tiny-shape flce rows beside torch's cross-entropy, and each noop handle call's profile."""
+    mHC's rows (PyTorch's own floor first), the tiny-shape flce rows beside torch's cross-entropy, and the profiles:
+    each noop handle call's, then the tiny auto call's, which the noop backend (registered later) does not serve."""
     out = tmp_path / "host_cost.md"
     command = [sys.executable, "-m", "benchmarks.run", "host-cost", "--device", "cpu", "--quick", "--backends",
                "reference", "--profile", "200", "--out", str(out)]
@@ -81,11 +82,13 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     text = out.read_text()
     for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"):
         assert f"| {op} | noop |" in text and f"| {op} | reference |" in text
-    assert "| 8 x 16 | floor |" in text and "| 8 x 16 | reference |" in text
+    assert all(f"| 8 x 16 | {p} |" in text for p in ("torch floor", "floor", "reference"))
     assert "| torch |" in text and "| 1.00x | 1.00x |  |" in text and "| ours |" in text
-    profiles = text.split("## Where a noop handle call's host time goes")[1]
-    assert all(f"### {op}, 3 noop handle calls" in profiles for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"))
-    assert "dispatch.py" in profiles and "noop" in profiles  # every frame of the call is listed (200 of them)
+    profiles = text.split("## Where a call's host time goes")[1]
+    noop, tiny = profiles.split("### flce auto at")[0], profiles.split("### flce auto at")[1:]
+    assert all(f"### {op}, 3 noop handle calls" in noop for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"))
+    assert "dispatch.py" in noop and "noop" in noop  # every frame of the call is listed (200 of them)
+    assert len(tiny) == 2 and all("cross_entropy.py" in t and "noop" not in t for t in tiny)
 
 
 def test_triton_loss_kernel_cases_match_the_formulas():

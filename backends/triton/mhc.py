@@ -410,8 +410,10 @@ def fwd_config(M: int, K: int, n_sms: int, fp32: bool) -> dict:
     split = 1
     if 4 * programs < 3 * n_sms:
         split = min(_pow2(cdiv(n_sms, programs)), cdiv(K, bk))
-    warps = 8 if bm == 64 and not fp32 else 4
-    return dict(BM=bm, BK=bk, split=split, num_warps=warps, num_stages=3 if fp32 else 4)
+    # 64-row blocks at one wave: 4 warps with 6 stages in flight (95 us at T*C = 2048*4096 on the H200; 8 warps with 4
+    # stages 108, 4 with 4 100: `mhc-kernels --sweep`)
+    stages = 3 if fp32 else 6 if bm == 64 else 4
+    return dict(BM=bm, BK=bk, split=split, num_warps=4, num_stages=stages)
 
 
 def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
@@ -425,7 +427,10 @@ def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
     bk = max(16, min(bk, _pow2(K)))
     slots = n_sms * (2 if warps == 8 else 4)
     groups = cdiv(slots, cdiv(K, bk))
-    return dict(BM=bm, BK=bk, groups=groups, BR=32, num_warps=warps, num_stages=3)
+    # the coefficient producer: 64-row blocks where they still make about one wave (202 against 216 us for 32 at
+    # M = 8192 on the H200, `mhc-kernels --sweep`)
+    br = 64 if 10 * cdiv(M, 64) >= 9 * n_sms else 32
+    return dict(BM=bm, BK=bk, groups=groups, BR=br, num_warps=warps, num_stages=3)
 
 
 def _fwd_tiles(hc: int):
