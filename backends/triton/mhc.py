@@ -427,9 +427,12 @@ def bwd_config(M: int, K: int, hc: int, n_sms: int, fp32: bool) -> dict:
     bk = max(16, min(bk, _pow2(K)))
     slots = n_sms * (2 if warps == 8 else 4)
     groups = cdiv(slots, cdiv(K, bk))
-    # the coefficient producer: 64-row blocks where they still make about one wave (202 against 216 us for 32 at
-    # M = 8192 on the H200, `mhc-kernels --sweep`)
-    br = 64 if 10 * cdiv(M, 64) >= 9 * n_sms else 32
+    # the coefficient producer (latency-bound Sinkhorn backward): the tallest row blocks that still make about one
+    # wave (H200, `mhc-kernels --sweep`: M = 8192 backward 197-202 us at 64 rows against 216-220 at 32; M = 2048
+    # 42 us at 16 rows against 57-60 at 32); hc = 8's [rows, 8, 8] tiles stay at <= 32 rows (registers)
+    for br in (64, 32, 16) if hc <= 4 else (32, 16):
+        if 10 * cdiv(M, br) >= 9 * n_sms:
+            break
     return dict(BM=bm, BK=bk, groups=groups, BR=br, num_warps=warps, num_stages=3)
 
 
