@@ -4,6 +4,7 @@ selector then reads (on the CPU, with the interpreted Triton and Helion backends
 itself refuses the CPU), and writes none when there is nothing to tune, nothing measured or no time left."""
 
 import argparse
+import json
 import time
 
 import pytest
@@ -240,3 +241,19 @@ def test_the_committed_table_applies_on_its_gpu_under_any_build_of_its_torch_min
     tables = tuned.DeviceTables(tuned.device_key(None), [path])
     assert tables.applied == [str(path)] and not tables.ignored
     assert tables.entry("flce", "bfloat16", 4096, (("v", 131072),)).fastest in ("triton", "cutedsl", "helion")
+
+
+def test_a_merged_table_names_the_runs_that_measured_its_entries(table, capsys):
+    """Tuning one op into an existing table keeps the other ops' entries and lists the runs written into it before."""
+    assert tune.run(tune_args("--out", str(table)), "cpu", torch.float32, interpreted=True) == 0
+    first = json.loads(table.read_text())
+    assert "earlier" not in first
+    args = tune_args("--out", str(table))
+    args.ops = ["fused_linear_logprobs"]
+    assert tune.run(args, "cpu", torch.float32, interpreted=True) == 0
+    second = json.loads(table.read_text())
+    assert {e["op"] for e in second["entries"]} == {"flce", "fused_linear_logprobs"}
+    assert second["earlier"] == [{"written": first["written"], "command": first["command"]}]
+    assert tune.run(args, "cpu", torch.float32, interpreted=True) == 0  # only its own entries replaced again
+    assert json.loads(table.read_text())["earlier"] == [*second["earlier"], {"written": second["written"],
+                                                                           "command": second["command"]}]

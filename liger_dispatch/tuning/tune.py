@@ -10,7 +10,7 @@ call (also the compiling one) whose outputs and gradients are compared with the 
 logits fit (points.CHECK_LOGITS; a backend that disagrees is reported and left out), then the median of at least
 --reps timed fwd+bwd repetitions. A backend whose capability or shape predicate turns the point down is not
 timed, nor is the reference: auto selection uses it only as the fallback. An existing table at --out made with
-the same key keeps its other entries.
+the same key keeps its other entries, and the table lists the runs written into it before ("earlier").
 
 Only on a GPU: on the CPU the backends are the reference and the Triton and Helion interpreters, whose times say
 nothing about any kernel, so `tune` says so and exits 1 at once. It exits 1 without writing a table, too, when
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import sys
 import time
@@ -175,20 +176,24 @@ def entry(point: Point, dtype: torch.dtype, times: dict[str, float], unavailable
             "shape": point.shape, "ms": {b: round(t, 4) for b, t in fastest_first}, "unavailable": unavailable}
 
 
-def merged(path: Path, key: dict, entries: list[dict]) -> list[dict]:
-    """entries plus those of an existing table at `path` made with the same key (new ones win)."""
+def merged(path: Path, key: dict, entries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(entries plus those of an existing table at `path` made with the same key (new ones win), the earlier runs
+    written into that table, oldest first: its own "earlier", then its "written" and "command")."""
     if not path.exists():
-        return entries
+        return entries, []
     try:
         old_key, old_entries = tuned.read_table(path)
+        old = json.loads(path.read_text())
     except tuned.TunedTableError as exc:
         print(f"overwriting {path}: {exc}")
-        return entries
+        return entries, []
     if not tuned.same_key(old_key, key):
         print(f"overwriting {path}: it was made on {tuned.describe_key(old_key)}")
-        return entries
+        return entries, []
     fresh = {(e["op"], e["dtype"], e["n"], e["bucket"]) for e in entries}
-    return [e for e in old_entries if (e["op"], e["dtype"], e["n"], e["bucket"]) not in fresh] + entries
+    kept = [e for e in old_entries if (e["op"], e["dtype"], e["n"], e["bucket"]) not in fresh]
+    runs = [*old.get("earlier", []), {k: old[k] for k in ("written", "command") if k in old}] if kept else []
+    return kept + entries, runs
 
 
 def tune_group(make: Callable[[torch.device], Iterator[Point]], usable: list[str], unavailable: dict[str, str],
@@ -259,9 +264,10 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
     if not entries:
         return _refuse("no point was measured (the reasons are above)")
     out = Path(args.out)
+    all_entries, earlier = merged(out, key, entries)
     table = {"format": tuned.FORMAT, "key": key, "written": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
-        "entries": merged(out, key, entries)}
+        **({"earlier": earlier} if earlier else {}), "entries": all_entries}
     out.write_text(tuned.dumps(table))
     selection.reset()  # the tables read, and the selections and handles' plans made from them
     print(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")
