@@ -168,6 +168,18 @@ def test_triton_class_index_check_accepts_exactly_the_valid_labels(dtype, ignore
                 triton_support.launch_check(target, V, ignore_index)
 
 
+def test_triton_class_index_check_reads_a_strided_target_as_its_values(monkeypatch):
+    """A column of a label matrix (a 1-D view of stride 3) whose neighbours are out of range: the check reads the
+    column's values, not the memory after its first element (the GPU would stop on a false assert)."""
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", dataclasses.replace(options, debug=True))
+    labels = torch.full((700, 3), V + 5)
+    labels[:, 0] = torch.randint(0, V, (700,))
+    triton_support.check_class_indices(labels[:, 0], vocab=V, ignore_index=-100)
+
+
 def test_host_class_index_check_names_the_value():
     with pytest.raises(InputError, match=rf"target holds {V}, outside"):
         checks.class_indices("target", torch.tensor([1, V]), V, -100)

@@ -70,7 +70,9 @@ def launch_scale(grad, grad_loss):
 
 @register_backend("check_class_indices", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
 def check_class_indices(target, *, vocab, ignore_index, name="target"):
-    launch_check(target.reshape(-1), vocab, ignore_index, name)
+    # contiguous: a strided view (a column of a label matrix) flattens to a strided view, which the kernel would
+    # read as contiguous memory
+    launch_check(target.reshape(-1).contiguous(), vocab, ignore_index, name)
 
 
 @register_backend("scale_grad", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
