@@ -36,12 +36,19 @@ class Inputs:
         hidden = self.H if hidden is None else hidden
         return self.randn(self.V if vocab is None else vocab, hidden, dtype=dtype, scale=scale * hidden ** -0.5)
 
-    def labels(self, n, vocab=None, ignored=(), all_ignored=False):
-        y = torch.randint(0, self.V if vocab is None else vocab, (n,), device=self.device)
+    def labels(self, n, vocab=None, ignored=(), all_ignored=False, strided=False):
+        """strided: the labels as a column of a [n, 3] matrix whose other columns are out of range (a 1-D view of
+        stride 3: a kernel that reads it as contiguous memory sees them)."""
+        vocab = self.V if vocab is None else vocab
+        y = torch.randint(0, vocab, (n,), device=self.device)
         if all_ignored:
             y.fill_(-100)
         for i in ignored:
             y[i] = -100
+        if strided:
+            matrix = torch.full((n, 3), vocab + 5, device=self.device, dtype=y.dtype)
+            matrix[:, 0] = y
+            y = matrix[:, 0]
         return y
 
     def kl_target(self, n, log_target, zeros, dtype=torch.float32):

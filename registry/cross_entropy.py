@@ -396,10 +396,11 @@ def _flce_weighted(reduction, weight_scale=1.0, all_ignored=False, **options):
     return build
 
 
-def _flce_rows(rows):
+def _flce_rows(rows, strided=False):
     def build(m: Inputs):
         n = max(rows, 3)
-        return dict(input=m.randn(n, m.H), weight=m.weight(), target=m.labels(n, all_ignored=rows == 0)), {}
+        target = m.labels(n, ignored=(1,) if strided else (), all_ignored=rows == 0, strided=strided)
+        return dict(input=m.randn(n, m.H), weight=m.weight(), target=target), {}
     return build
 
 
@@ -428,6 +429,7 @@ CASES = {"flce": [
       for name, options in FLCE_OPTIONS.items()),
     Case("bias_3d_noncontiguous", _flce_bias_3d_noncontiguous, (*HEAD, "bias")),
     Case("single_row", _flce_rows(1), HEAD),
+    Case("strided_labels", _flce_rows(16, strided=True), HEAD),
     Case("all_ignored", _flce_rows(0), HEAD),
     Case("empty-mean", _empty(reduction="mean"), kind="empty", extra_dtypes=FP16),
     Case("empty-sum-zloss", _empty(reduction="sum", lse_square_scale=0.1), kind="empty", extra_dtypes=FP16),

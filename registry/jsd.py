@@ -207,11 +207,11 @@ STUDENT = ("student_input", "student_weight")
 TEACHER = ("teacher_input", "teacher_weight")  # never differentiated
 
 
-def _jsd(beta, temperature, t_squared):
+def _jsd(beta, temperature, t_squared, strided=False):
     def build(m: Inputs):
         h_t = m.H + 8  # the teacher's hidden size may differ from the student's
         inputs = dict(student_input=m.randn(m.N, m.H), student_weight=m.weight(), teacher_input=m.randn(m.N, h_t),
-                      teacher_weight=m.weight(hidden=h_t), shift_labels=m.labels(m.N, ignored=(2,)))
+                      teacher_weight=m.weight(hidden=h_t), shift_labels=m.labels(m.N, ignored=(2,), strided=strided))
         return inputs, dict(jsd_beta=beta, temperature=temperature, scale_by_temperature_squared=t_squared)
     return build
 
@@ -258,6 +258,7 @@ CASES = {"fused_linear_jsd": [
            smoke=(beta, t) == (0.5, 2.0), sample=(beta, t) == (0.5, 2.0))
       for t, t2 in ((1.0, False), (2.0, True), (0.7, False)) for beta in (0.0, 0.5, 1.0)),
     Case("no_labels_noncontiguous", _jsd_no_labels(False), STUDENT),
+    Case("strided_labels", _jsd(0.5, 1.0, False, strided=True), STUDENT),
     Case("all_ignored", _jsd_no_labels(True), STUDENT),
     Case("empty", _empty(jsd_beta=0.5), kind="empty", extra_dtypes=FP16),
     Case("empty-forward-kl-labels", _empty(jsd_beta=0.0, with_labels=True), kind="empty", extra_dtypes=FP16),

@@ -257,12 +257,12 @@ HEAD = ("input", "weight")
 HEAD_BIAS = (*HEAD, "bias")
 
 
-def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, **options):
+def _logprobs(ignored=(), bias=False, shape=None, all_ignored=False, vocab=None, scale=2.0, strided=False, **options):
     def build(m: Inputs):
         n = 8 if shape is not None else m.N
         v = m.V if vocab is None else vocab
         x = m.randn(n, m.H)
-        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored)
+        target = m.labels(n, v, ignored=ignored, all_ignored=all_ignored, strided=strided)
         if shape is not None:  # [..., H] input, non-contiguous
             x, target = non_contiguous(x.view(*shape, m.H)), target.view(shape)
         inputs = dict(input=x, weight=m.weight(vocab=v, scale=scale), target=target)
@@ -283,6 +283,7 @@ CASES = {"fused_linear_logprobs": [
     Case("T2-no-entropy-grad", _logprobs(ignored=(2,), bias=True, temperature=2.0), HEAD_BIAS, used=(0,)),
     Case("entropy-grad-only", _logprobs(temperature=1.3), HEAD, used=(1,)),
     Case("all-ignored", _logprobs(bias=True, all_ignored=True), HEAD_BIAS),
+    Case("strided-labels", _logprobs(ignored=(3,), strided=True, temperature=0.9), HEAD),
     Case("3d-noncontiguous", _logprobs(ignored=(0, 5), bias=True, shape=(2, 4), temperature=0.8), HEAD_BIAS),
     Case("fp16-tiny-upstream", _logprobs(ignored=(1,), bias=True, vocab=1031, scale=1.0), HEAD_BIAS,
          row_upstream=1e-5, dtypes=FP16),
