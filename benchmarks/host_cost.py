@@ -128,9 +128,14 @@ def _fmt(value: Optional[float], digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """What every row runs in: bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _loss_call(op: str, device: torch.device, dims: tuple) -> tuple[Case, workloads.Inputs]:
-    """The case a loss op's host cost is measured at, and its inputs (bf16 on a GPU, fp32 on the CPU)."""
-    case = Case(op, "host", dims[0][1], dims, torch.bfloat16 if device.type == "cuda" else torch.float32, "fwd")
+    """The case a loss op's host cost is measured at, and its inputs."""
+    case = Case(op, "host", dims[0][1], dims, _dtype(device), "fwd")
     return case, workloads.make_inputs(case, device, seed=0)
 
 
@@ -181,7 +186,7 @@ def _loss_row(op: str, backend: str, case: Case, inputs: workloads.Inputs, devic
 
 def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[list[str]]) -> list[dict]:
     rows = []
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     mhc_kernels.register_floor_backend(devices=(device.type,))
     backends = ["floor", *(b for b in _serving("mhc_coeffs", device, dtype, asked) if b != "noop")]
     for t, c in points:
@@ -211,21 +216,19 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
 
 
 def _tiny_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n, hidden, vocab = (v for _, v in TINY_DIMS)
-    x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(vocab, hidden, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(n, hidden, device=device, dtype=_dtype(device), requires_grad=True)
+    w = torch.randn(vocab, hidden, device=device, dtype=_dtype(device), requires_grad=True)
     return x, w, torch.randint(0, vocab, (n,), device=device)
 
 
 def tiny_rows(device: torch.device, calls: int, asked: Optional[list[str]]) -> list[dict]:
     """flce at a tiny shape (small-batch evaluation, RL scoring loops) against torch's own cross-entropy on the
     logits: fwd+bwd and a no_grad forward, back to back."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x, w, y = _tiny_inputs(device)
     providers = {"torch": lambda: torch.nn.functional.cross_entropy((x @ w.T).float(), y),
                  "ours": dispatch.op("flce")}
-    providers.update((b, dispatch.op("flce", backend=b)) for b in _serving("flce", device, dtype, asked)
+    providers.update((b, dispatch.op("flce", backend=b)) for b in _serving("flce", device, x.dtype, asked)
                      if b != "noop")
     rows, base = [], {}
     for name, fn in providers.items():
