@@ -30,8 +30,8 @@ SWEEPS = {  # launch-knob variants a --sweep times, per backend (the LAUNCH knob
     "triton": [dict(block_size=b, num_warps=w, num_stages=s) for b, w, s in (
         (4096, 8, 3), (8192, 8, 3), (8192, 16, 1), (8192, 16, 2), (8192, 16, 3), (8192, 32, 3), (16384, 16, 3),
         (16384, 32, 1), (16384, 32, 3), (32768, 32, 1))],
-    "cutedsl": [dict(threads=t, unroll=u, l2_hints=h) for t, u in (
-        (128, 4), (256, 2), (256, 4), (256, 8), (512, 2), (512, 4), (1024, 1), (1024, 2)) for h in (True, False)],
+    # split: CTAs (a cluster) a row is cut across, _row.py
+    "cutedsl": [dict(threads=t, unroll=u, split=s) for t, u in ((256, 2), (256, 4), (512, 2)) for s in (1, 2, 4, 8)],
 }
 # kl: (target dtype or None for the logits', mass, target reads); only Triton's kernel can read the target once.
 KL_VARIANTS = {"triton": ((torch.float32, 1.0, 1), (torch.float32, 1.0, 2), (torch.float32, 0.9, 1), (None, 1.0, 2),

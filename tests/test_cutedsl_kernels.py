@@ -7,6 +7,7 @@ On the GPU (`pytest -m gpu`): loss and in-place gradient match the reference for
 ragged V, strided rows, every grad_scale form, ignored rows and C * V > 2^31.
 """
 
+import dataclasses
 import re
 import sys
 
@@ -60,15 +61,19 @@ def test_predicate_declines_rows_too_long_and_odd_label_dtypes():
 VARIANTS = [
     (ce, (bf16, i64, 8, ce.LAUNCH.default, False, False, False)),
     (ce, (fp32, i64, 4, RowLaunch(threads=1024, unroll=2, l2_hints=False), True, True, True)),
-    (ce, (fp16, i32, 1, ce.LAUNCH.default, True, False, True)),
-    (ce, (bf16, i64, 4, ce.LAUNCH.default, True, True, True, True, True)),
+    (ce, (fp16, i32, 1, ce.COMPUTE_BOUND_LAUNCH, True, False, True)),
+    (ce, (bf16, i64, 4, ce.COMPUTE_BOUND_LAUNCH, True, True, True, True, True)),
     (ce, (fp32, i64, 4, ce.LAUNCH.default, False, False, False, True, True)),
     (jsd, (bf16, bf16, i64, 8, jsd.LAUNCH.default, jsd.FORWARD_KL, True)),
     (jsd, (bf16, bf16, None, 8, RowLaunch(threads=512, unroll=4), jsd.REVERSE_KL, False)),
-    (jsd, (fp32, bf16, i64, 4, jsd.LAUNCH.default, jsd.MIXTURE, True)),
+    (jsd, (fp32, bf16, i64, 4, jsd.MIXTURE_LAUNCH, jsd.MIXTURE, True)),
     (jsd, (fp16, fp16, i32, 2, RowLaunch(threads=64, unroll=1), jsd.MIXTURE, False)),
     (kl_div, (bf16, bf16, i64, 8, kl_div.LAUNCH.default, False, True)),
     (kl_div, (bf16, fp32, None, 4, kl_div.LAUNCH.default, True, False)),
+    (ce, (bf16, i64, 8, RowLaunch(threads=256, unroll=4, split=2), True, False, False)),
+    (ce, (bf16, i64, 4, RowLaunch(threads=256, unroll=4, split=2), True, True, True, True, True)),
+    (jsd, (bf16, bf16, i64, 8, RowLaunch(threads=256, unroll=2, split=4), jsd.MIXTURE, True)),
+    (kl_div, (bf16, bf16, i64, 8, RowLaunch(threads=256, unroll=2, split=8), False, True)),
 ]
 
 
@@ -145,7 +150,7 @@ def test_required_arguments_only_take_the_schema_defaults(recorder):
     """No labels, beta 0.5, temperature 1, ignore_index -100, eps 1e-10, probabilities, no scale."""
     s, t = torch.randn(3, 64), torch.randn(3, 64)
     jsd.jsd_loss_and_grad(s, t)
-    assert recorder.keys[-1][2:] == (None, 4, jsd.LAUNCH.default, jsd.MIXTURE, False)
+    assert recorder.keys[-1][2:] == (None, 4, jsd.MIXTURE_LAUNCH, jsd.MIXTURE, False)
     assert recorder.calls[-1][2] is None and recorder.calls[-1][4:] == (None, 0, -100, 0.5, 1.0)
     kl_div.kl_div_loss_and_grad(s, torch.softmax(t, -1))
     assert recorder.keys[-1][2:] == (None, 4, kl_div.LAUNCH.default, False, False)
@@ -158,8 +163,11 @@ def test_launch_knobs_are_set_outside_the_op_arguments(recorder):
     x, y = torch.randn(3, 64), torch.zeros(3, dtype=i64)
     with ce.LAUNCH.using(threads=512, l2_hints=False):
         ce.ce_loss_and_grad(x, y)
+        ce.ce_loss_and_grad(x, y, softcap=30.0)  # set knobs hold for the compute-bound options too
     ce.ce_loss_and_grad(x, y)
-    assert [key[3] for key in recorder.keys] == [RowLaunch(threads=512, unroll=4, l2_hints=False), ce.LAUNCH.default]
+    ce.ce_loss_and_grad(x, y, label_smoothing=0.1)
+    forced = RowLaunch(threads=512, unroll=2, l2_hints=False, split=8)
+    assert [key[3] for key in recorder.keys] == [forced, forced, ce.LAUNCH.default, ce.COMPUTE_BOUND_LAUNCH]
 
 
 def test_fallback_views_have_the_compiled_dynamic_layouts():
@@ -324,6 +332,30 @@ def test_gpu_kl_div_matches_reference(dtype, V, log_target):
         lambda z, qq: formulas.kl_div_rows(z, qq, None, temperature=1.5, log_target=log_target), s, target)
     loss = kl_div.kl_div_loss_and_grad(s, target, None, temperature=1.5, log_target=log_target)
     _compare(f"kl log_target={log_target}", dtype, loss, s, ref_loss, ref_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [bf16, fp32])
+@pytest.mark.parametrize("V", [128256, 4099, 1000])
+def test_gpu_rows_split_across_a_cluster_match_reference(split, dtype, V):
+    """RowLaunch.split: every check above with each row cut across a cluster of CTAs; at V = 1000 one CTA holds
+    the whole row (its one partial tile) and the others hold nothing but still take part in the reductions."""
+    with ce.LAUNCH.using(split=split), jsd.LAUNCH.using(split=split), kl_div.LAUNCH.using(split=split):
+        test_gpu_ce_matches_reference(dtype, V)
+        test_gpu_ce_class_weights_and_row_stats_match_reference(dtype, V)
+        for beta in (0.0, 0.5, 1.0):
+            test_gpu_jsd_matches_reference(dtype, V, beta)
+        for log_target in (False, True):
+            test_gpu_kl_div_matches_reference(dtype, V, log_target)
+
+
+def test_a_kernel_that_takes_a_row_per_cta_refuses_a_split_launch():
+    from liger_dispatch.backends.cutedsl import logprobs
+
+    launch = dataclasses.replace(logprobs.LAUNCH.default, split=2)
+    with pytest.raises(ValueError, match="a row per CTA"):
+        logprobs._stats_compiled.__wrapped__(bf16, i64, 8, launch)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Device-side building blocks of the row kernels: one CTA streams one row of a [C, V] tensor.
+"""Device-side building blocks of the row kernels: one CTA (or a cluster of `split` CTAs) streams one row of a
+[C, V] tensor.
 
 A row is cut into tiles of threads * vec * unroll columns. In tile k, thread t owns `unroll` chunks of
 `vec` contiguous columns, chunk u starting at column k * tile + (u * threads + t) * vec, so each chunk
@@ -12,6 +13,13 @@ is stored, evict-first (streaming).
 
 Statistics cross the CTA through warp shuffles and one shared-memory round trip per reduction; each
 reduction owns its own slots of the shared buffer, so a reduction costs one barrier.
+
+Split rows (RowLaunch.split > 1): a thread-block cluster of `split` CTAs shares a row, CTA r taking the tiles
+r, r + split, ... (the partial tile goes to whichever CTA its index falls to). Each reduction then crosses the
+cluster too: every CTA publishes its result in its shared memory, one cluster barrier, and every CTA reads all
+of them through distributed shared memory and merges them in rank order, so all CTAs hold the same statistics.
+Fewer rows are in flight (one per cluster, not per CTA), so the rows a later pass reads again still sit in L2:
+with one CTA per row ~130-260 rows of 0.25-0.5 MB are in flight against the 50 MB L2.
 """
 
 import math
@@ -22,6 +30,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.memory
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -40,6 +50,7 @@ class RowLaunch:
     threads: int = 256  # per CTA, a power of two from 64 to 1024
     unroll: int = 4  # vectorized accesses in flight per thread and input
     l2_hints: bool = True
+    split: int = 1  # CTAs a row is cut across, a cluster of them: 1, 2, 4 or 8 (the portable cluster sizes)
 
     @property
     def warps(self):
@@ -47,6 +58,20 @@ class RowLaunch:
 
     def tile(self, vec):
         return self.threads * vec * self.unroll
+
+    def over_rows(self, rows):
+        """The launch arguments (grid, block, cluster) of a kernel over `rows` rows."""
+        if self.split == 1:
+            return dict(grid=[rows, 1, 1], block=[self.threads, 1, 1])
+        return dict(grid=[rows * self.split, 1, 1], block=[self.threads, 1, 1], cluster=[self.split, 1, 1])
+
+
+def place(launch: RowLaunch):
+    """(the row this CTA works on, its rank among the row's CTAs)."""
+    block, _, _ = cute.arch.block_idx()
+    if const_expr(launch.split == 1):
+        return block, Int32(0)
+    return block // launch.split, block % launch.split  # a 1-D cluster: the rank is block_idx_in_cluster
 
 
 @dataclass(frozen=True)
@@ -65,9 +90,15 @@ class RowTiles:
     store_copy: cute.TiledCopy
     tile: int
     l2_hints: bool
+    rank: object
+    split: int
 
     @staticmethod
-    def of(mX: cute.Tensor, row, tidx, vec: int, launch: RowLaunch):
+    def of(mX: cute.Tensor, row, tidx, vec: int, launch: RowLaunch, rank=None):
+        """Row `row` of mX as this thread sees it; with launch.split > 1, the tiles of the CTA of rank `rank`
+        (tile k here is the row's tile k * split + rank), which a kernel that splits rows passes (place())."""
+        if launch.split > 1 and rank is None:
+            raise ValueError(f"this kernel takes a row per CTA: launch.split must be 1, got {launch.split}")
         dtype = mX.element_type
         bits = vec * dtype.width
         threads, values = cute.make_layout(launch.threads), cute.make_layout(vec)
@@ -77,10 +108,13 @@ class RowTiles:
             cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), dtype, num_bits_per_copy=bits,
                                 store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING), threads, values)
         return RowTiles(mX[row, None], cute.make_identity_tensor(mX.shape[1]), mX.shape[1], load.get_slice(tidx),
-                        store.get_slice(tidx), load, store, launch.tile(vec), launch.l2_hints)
+                        store.get_slice(tidx), load, store, launch.tile(vec), launch.l2_hints,
+                        0 if rank is None else rank, launch.split)
 
     def _tile(self, t, k):
-        return cute.local_tile(t, (self.tile,), (k,))
+        if const_expr(self.split == 1):
+            return cute.local_tile(t, (self.tile,), (k,))
+        return cute.local_tile(t, (self.tile,), (k * self.split + self.rank,))
 
     def _src(self, k):
         return self.thr_load.partition_S(self._tile(self.g_row, k))
@@ -136,8 +170,12 @@ class RowTiles:
         cute.copy(self.store_copy, frag, dst, pred=pred, **self._policy(False))
 
     def span(self):
-        """(full tiles of the row, whether a partial tile follows them)."""
-        return self.n_cols // self.tile, self.n_cols % self.tile != 0
+        """(full tiles of the row, whether a partial tile follows them), of this CTA's share of the row."""
+        n_full, tail = self.n_cols // self.tile, self.n_cols % self.tile != 0
+        if const_expr(self.split == 1):
+            return n_full, tail
+        mine = (n_full - self.rank + (self.split - 1)) // self.split
+        return mine, tail & (n_full % self.split == self.rank)
 
     def columns(self, k):
         """Column index of each element of tile k (TensorSSA of Int32)."""
@@ -223,6 +261,103 @@ def block_max(value: Float32, buf: cute.Tensor, slot: cutlass.Constexpr[int]):
         buf[warp, slot] = partial
     cute.arch.barrier()
     return cute.arch.warp_reduction(buf[lane % warps, slot], cute.arch.fmax, threads_in_group=warps)
+
+
+@dataclass(frozen=True)
+class RowReductions:
+    """A row kernel's reductions: CTA-wide, then across the row's cluster when the row is split. Every thread of
+    every CTA of the row gets the same result; a split kernel ends with done()."""
+
+    buf: cute.Tensor  # [warps, n_slots]: the CTA-wide reductions' scratch
+    shared: object  # [n_slots]: this CTA's results, which the cluster's CTAs read (None when not split)
+    split: int
+
+    @staticmethod
+    def of(launch: RowLaunch, n_slots: int):
+        smem = cutlass.memory.SmemAllocator()
+        buf = smem.allocate_tensor(Float32, cute.make_layout((launch.warps, n_slots)), byte_alignment=16)
+        shared = None
+        if const_expr(launch.split > 1):
+            shared = smem.allocate_tensor(Float32, cute.make_layout(n_slots), byte_alignment=16)
+        return RowReductions(buf, shared, launch.split)
+
+    def lse(self, m: Float32, d: Float32, slot: int):
+        """block_lse, then across the cluster. Uses slots slot, slot+1."""
+        m, d = block_lse(m, d, self.buf, slot)
+        if const_expr(self.split == 1):
+            return m, d
+        return cluster_lse(m, d, self.shared, slot, self.split)
+
+    def sum(self, vals: tuple, slot: int):
+        """block_sum, then across the cluster. Uses len(vals) slots."""
+        vals = block_sum(vals, self.buf, slot)
+        if const_expr(self.split == 1):
+            return vals
+        return cluster_sum(vals, self.shared, slot, self.split)
+
+    def max(self, value: Float32, slot: int):
+        """block_max, then across the cluster. Uses one slot."""
+        value = block_max(value, self.buf, slot)
+        if const_expr(self.split == 1):
+            return value
+        return cluster_max(value, self.shared, slot, self.split)
+
+    def done(self):
+        """A split kernel's last step: no CTA leaves while another may still read its shared results."""
+        if const_expr(self.split > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+
+@cute.jit
+def publish(values: tuple, shared: cute.Tensor, slot: cutlass.Constexpr[int]):
+    """Thread 0 writes this CTA's results to its slots; on return every CTA of the cluster has written its own."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        for j in cutlass.range_constexpr(len(values)):
+            shared[slot + j] = values[j]
+    cute.arch.cluster_arrive()  # release: the writes above are visible to the cluster after its wait
+    cute.arch.cluster_wait()
+
+
+@dsl_user_op
+def peer_load(shared: cute.Tensor, index: int, rank, *, loc=None, ip=None) -> Float32:
+    """shared[index] of the cluster's CTA of rank `rank`: mapa, then ld.shared::cluster (CuTe's tensors do not
+    load from distributed shared memory). Volatile, so that it stays after the cluster barrier."""
+    local = (shared.iterator + index).toint(loc=loc, ip=ip).ir_value()
+    return Float32(llvm.inline_asm(
+        T.f32(), [local, Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .u32 remote;\nmapa.shared::cluster.u32 remote, $1, $2;\nld.shared::cluster.f32 $0, [remote];\n}",
+        "=f,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def cluster_lse(m: Float32, d: Float32, shared: cute.Tensor, slot: cutlass.Constexpr[int],
+                split: cutlass.Constexpr[int]):
+    publish((m, d), shared, slot)
+    m, d = peer_load(shared, slot, 0), peer_load(shared, slot + 1, 0)
+    for r in cutlass.range_constexpr(1, split):
+        m, d = lse_merge(m, d, peer_load(shared, slot, r), peer_load(shared, slot + 1, r))
+    return m, d
+
+
+@cute.jit
+def cluster_sum(vals: tuple, shared: cute.Tensor, slot: cutlass.Constexpr[int], split: cutlass.Constexpr[int]):
+    publish(vals, shared, slot)
+    n = const_expr(len(vals))
+    out = [peer_load(shared, slot + j, 0) for j in range(n)]
+    for r in cutlass.range_constexpr(1, split):
+        out = [out[j] + peer_load(shared, slot + j, r) for j in range(n)]
+    return tuple(out)
+
+
+@cute.jit
+def cluster_max(value: Float32, shared: cute.Tensor, slot: cutlass.Constexpr[int], split: cutlass.Constexpr[int]):
+    publish((value,), shared, slot)
+    out = peer_load(shared, slot, 0)
+    for r in cutlass.range_constexpr(1, split):
+        out = cute.arch.fmax(out, peer_load(shared, slot, r))
+    return out
 
 
 def tile_max(x: cute.TensorSSA):

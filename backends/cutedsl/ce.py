@@ -1,4 +1,5 @@
-"""Cross-entropy loss and gradient in one CuTeDSL kernel: one CTA per row, 2 passes, gradient over the logits.
+"""Cross-entropy loss and gradient in one CuTeDSL kernel: one CTA (or cluster, _row.py) per row, 2 passes, gradient
+over the logits.
 
 Pass 1 streams the row for the online softmax state (and sum w z, sum w for label smoothing, the max z for the
 row statistics), loading with an evict-last L2 hint so that pass 2, which streams it again and writes
@@ -15,12 +16,16 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import (LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_max, block_sum, online_softmax_step,
-                   tile_max, tile_sum, zero_row)
+from ._row import (LN2, LOG2E, NEG_BIG, RowLaunch, RowReductions, RowTiles, online_softmax_step, tile_max, tile_sum,
+                   zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-LAUNCH = LaunchKnobs("cutedsl ce_loss_and_grad", RowLaunch(threads=256, unroll=4))
+# Each row split across a cluster of 8 CTAs (_row.py), so that pass 2 finds the row in L2: 0.599 ms a 4096 x 128256
+# bf16 chunk against 0.776 with a CTA per row (benchmarks/NOTES.md). With softcap or smoothing the kernel is
+# compute-bound and a split costs (1.27 against 1.12 ms): those calls keep a CTA per row unless the knobs are set.
+LAUNCH = LaunchKnobs("cutedsl ce_loss_and_grad", RowLaunch(threads=256, unroll=2, split=8))
+COMPUTE_BOUND_LAUNCH = RowLaunch(threads=256, unroll=4)
 
 
 def coefficients(scale: Float32, smoothing: Float32, inv_vocab: Float32, target_weight: Float32,
@@ -33,7 +38,7 @@ def coefficients(scale: Float32, smoothing: Float32, inv_vocab: Float32, target_
 
 
 class CrossEntropyKernel:
-    """One CTA per row. With class weights (has_weight) mWeights holds one weight per class (indexed by the
+    """One CTA per row (a cluster with launch.split > 1). With class weights (has_weight) mWeights holds one weight per class (indexed by the
     target's class) and, when smoothing reads them per column, mWeightRow [1, V] the weights of the row's columns;
     has_stats: pass 1 also keeps the row's max z, and the kernel writes (lse, target is the max) to mStats."""
 
@@ -53,8 +58,7 @@ class CrossEntropyKernel:
                  mStats: cute.Tensor | None, ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
                  softcap: Float32, stream):
         self.kernel(mX, mTarget, mLoss, mScale, scale_step, mWeights, mWeightRow, mStats, ignore_index, smoothing,
-                    lse_square_scale, softcap).launch(
-            grid=[mX.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
+                    lse_square_scale, softcap).launch(**self.launch.over_rows(mX.shape[0]), stream=stream)
 
     @cute.jit
     def logits(self, x: cute.TensorSSA, softcap: Float32):
@@ -64,11 +68,11 @@ class CrossEntropyKernel:
             return softcap * t, t
         return x, None
 
-    def weight_tiles(self, mWeightRow: cute.Tensor | None, tidx):
+    def weight_tiles(self, mWeightRow: cute.Tensor | None, tidx, rank):
         """This thread's tiles of the row's class weights, or None where no pass reads them per column."""
         if const_expr(mWeightRow is None):
             return None
-        return RowTiles.of(mWeightRow, 0, tidx, self.vec, self.launch)
+        return RowTiles.of(mWeightRow, 0, tidx, self.vec, self.launch, rank)
 
     def target_weight(self, mWeights: cute.Tensor | None, y: Int64):
         """The class weight of the row's target (1 without class weights)."""
@@ -82,10 +86,10 @@ class CrossEntropyKernel:
                mStats: cute.Tensor | None, ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
                softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 5)
-        tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
-        weights = self.weight_tiles(mWeightRow, tidx)
+        row, rank = _row.place(self.launch)
+        red = RowReductions.of(self.launch, 5)
+        tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch, rank)
+        weights = self.weight_tiles(mWeightRow, tidx, rank)
         n_cols = mX.shape[1]
         n_full, tail = tiles.span()
         target = mTarget[row]
@@ -101,18 +105,18 @@ class CrossEntropyKernel:
             z_y, _ = self.logits(Float32(mX[row, y]), softcap)
             w_y = self.target_weight(mWeights, target)
 
-            lse2, z_sum, w_sum, z_max = self.softmax_state(tiles, weights, n_full, tail, softcap, buf)
+            lse2, z_sum, w_sum, z_max = self.softmax_state(tiles, weights, n_full, tail, softcap, red)
             lse = lse2 * LN2
             # (1 - eps) w_y (lse - z_y) + eps / V sum_j w_j (lse - z_j) + s lse^2
             loss = (1.0 - smoothing) * w_y * (lse - z_y) + lse_square_scale * lse * lse
             weight_mean = Float32(1.0)
             if const_expr(self.has_smoothing):
-                z_sum, w_sum = block_sum((z_sum, w_sum), buf, 2)
+                z_sum, w_sum = red.sum((z_sum, w_sum), 2)
                 if const_expr(self.has_weight):
                     weight_mean = w_sum / Float32(n_cols)
                 loss += smoothing * (weight_mean * lse - z_sum / Float32(n_cols))
             if const_expr(self.has_stats):
-                if z_y >= block_max(z_max, buf, 4):
+                if z_y >= red.max(z_max, 4):
                     correct = Float32(1.0)
 
             # Pass 2: the gradient, times dz/dx, times scale.
@@ -123,11 +127,12 @@ class CrossEntropyKernel:
                                                       lse, lse_square_scale)
             self.write_grad(tiles, weights, n_full, tail, y, softcap, lse2, p_coef, uniform, on_target)
 
-        if tidx == 0:
+        if tidx == 0 and rank == 0:
             mLoss[row] = loss
             if const_expr(self.has_stats):
                 mStats[row * 2] = lse
                 mStats[row * 2 + 1] = correct
+        red.done()
 
     def smoothing_sums(self, z_sum: Float32, w_sum: Float32, z: cute.TensorSSA, weights, k: Int32, pred=None):
         """This thread's sums sum_j w_j z_j and sum_j w_j after tile k (w = 1 without class weights: sum z alone).
@@ -139,8 +144,8 @@ class CrossEntropyKernel:
 
     @cute.jit
     def softmax_state(self, tiles: RowTiles, weights, n_full: Int32, tail: Boolean, softcap: Float32,
-                      buf: cute.Tensor):
-        """Pass 1 over the row: (base-2 log-sum-exp of z, CTA-wide from slots 0-1 of buf; this thread's parts of
+                      red: RowReductions):
+        """Pass 1 over the row: (base-2 log-sum-exp of z, row-wide from slots 0-1; this thread's parts of
         sum w z and sum w with smoothing, else 0; this thread's max z with has_stats, else NEG_BIG).
 
         Loads evict-last: a later pass reads the row again. Padding loads as 0 (z = 0 too), masked to -inf for the
@@ -166,7 +171,7 @@ class CrossEntropyKernel:
                 z_sum, w_sum = self.smoothing_sums(z_sum, w_sum, z, weights, n_full, pred)
             if const_expr(self.has_stats):
                 z_max = cute.arch.fmax(z_max, tile_max(cute.where(in_row, z, -Float32.inf)))
-        m, d = block_lse(m, d, buf, 0)
+        m, d = red.lse(m, d, 0)
         return m + cute.math.log2(d, fastmath=True), z_sum, w_sum, z_max
 
     @cute.jit
@@ -243,7 +248,9 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
     target = per_row(target)
     weights, weight_row = weight_views(ce_weight, 0, V, label_smoothing != 0.0)
     vec = pick_vec(V, logits, *(() if weight_row is None else (weight_row,)))
-    run = _compiled(logits.dtype, target.dtype, vec, LAUNCH.current, scale is not None, softcap is not None,
+    compute_bound = softcap is not None or label_smoothing != 0.0
+    launch = COMPUTE_BOUND_LAUNCH if compute_bound and LAUNCH.forced is None else LAUNCH.current
+    run = _compiled(logits.dtype, target.dtype, vec, launch, scale is not None, softcap is not None,
                     label_smoothing != 0.0, ce_weight is not None, row_stats is not None)
     run(logits, target, loss, scale, step, weights, weight_row, None if row_stats is None else row_stats.view(-1),
         ignore_index, float(label_smoothing), float(lse_square_scale), float(softcap) if softcap is not None else 1.0)

@@ -1,4 +1,5 @@
-"""Generalized Jensen-Shannon divergence, loss and student gradient in one CuTeDSL kernel, one CTA per row.
+"""Generalized Jensen-Shannon divergence, loss and student gradient in one CuTeDSL kernel, one CTA (or
+cluster, _row.py) per row.
 
 With q = softmax(student / T), p = softmax(teacher / T) and, in base 2, lq = log2 q, lp = log2 p:
   beta = 0: KL(p||q);  dL/ds = q - p                                  -> 2 passes (gradient with the loss)
@@ -18,12 +19,16 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
-                   tile_sum, zero_row)
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowReductions, RowTiles, online_softmax_step, tile_sum,
+                   zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", RowLaunch(threads=256, unroll=2))
+# Each row split across a cluster of CTAs (_row.py), so that later passes find the row in L2; 4096 x 128256 bf16
+# chunks (benchmarks/NOTES.md): beta 0 / 1 1.09 / 1.18 ms at 8 CTAs a row against 1.27 / 1.75 with one; the mixture,
+# bound by its exp2 / log2 as much as by memory, 1.66 ms at 4 (1.88 at 8, 2.02 at 1).
+LAUNCH = LaunchKnobs("cutedsl jsd_loss_and_grad", RowLaunch(threads=256, unroll=2, split=8))
+MIXTURE_LAUNCH = RowLaunch(threads=256, unroll=2, split=4)
 FORWARD_KL, REVERSE_KL, MIXTURE = 0, 1, 2
 
 
@@ -44,7 +49,7 @@ class JSDKernel:
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
                  inv_temp: Float32, stream):
         self.kernel(mS, mT, mLabels, mLoss, mScale, scale_step, ignore_index, beta, inv_temp).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
+            **self.launch.over_rows(mS.shape[0]), stream=stream)
 
     @cute.jit
     def divergence(self, lq: cute.TensorSSA, lp: cute.TensorSSA, beta: Float32):
@@ -65,9 +70,9 @@ class JSDKernel:
 
     @cute.jit
     def softmax_states(self, student: RowTiles, teacher: RowTiles, n_full: Int32, tail: Boolean, to_base2: Float32,
-                       buf: cute.Tensor):
-        """Pass 1 over the row: the base-2 log-sum-exp of student and teacher (times to_base2), CTA-wide from slots
-        0-3 of buf. Loads evict-last; padding loads as 0, masked to -inf."""
+                       red: RowReductions):
+        """Pass 1 over the row: the base-2 log-sum-exp of student and teacher (times to_base2), row-wide from slots
+        0-3. Loads evict-last; padding loads as 0, masked to -inf."""
         m_s = Float32(NEG_BIG)
         d_s = Float32(0.0)
         m_t = Float32(NEG_BIG)
@@ -82,8 +87,8 @@ class JSDKernel:
             t2 = teacher.load(n_full, pred, keep=True) * to_base2
             m_s, d_s = online_softmax_step(m_s, d_s, cute.where(mask, s2, -Float32.inf))
             m_t, d_t = online_softmax_step(m_t, d_t, cute.where(mask, t2, -Float32.inf))
-        m_s, d_s = block_lse(m_s, d_s, buf, 0)
-        m_t, d_t = block_lse(m_t, d_t, buf, 2)
+        m_s, d_s = red.lse(m_s, d_s, 0)
+        m_t, d_t = red.lse(m_t, d_t, 2)
         return m_s + cute.math.log2(d_s, fastmath=True), m_t + cute.math.log2(d_t, fastmath=True)
 
     @cute.jit
@@ -143,10 +148,10 @@ class JSDKernel:
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, beta: Float32,
                inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 6)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
-        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
+        row, rank = _row.place(self.launch)
+        red = RowReductions.of(self.launch, 6)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch, rank)
+        teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch, rank)
         n_full, tail = student.span()
         valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
@@ -155,7 +160,7 @@ class JSDKernel:
             zero_row(student, n_full, tail)
         else:
             to_base2 = inv_temp * LOG2E
-            lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, to_base2, buf)
+            lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, to_base2, red)
 
             scale = inv_temp
             if const_expr(self.has_scale):
@@ -165,7 +170,7 @@ class JSDKernel:
             forward = self.case == FORWARD_KL
             acc_loss, acc_s = self.divergence_sums(student, teacher, n_full, tail, to_base2, lse_s, lse_t, beta,
                                                    not forward, forward, scale)
-            acc_loss, acc_s = block_sum((acc_loss, acc_s), buf, 4)
+            acc_loss, acc_s = red.sum((acc_loss, acc_s), 4)
             loss = acc_loss * LN2
 
             # Pass 3 (beta > 0): dL/ds = c ln2 q (diff - S), c = 1 - beta (mixture) or 1 (reverse KL).
@@ -176,8 +181,9 @@ class JSDKernel:
                     coef = coef * (1.0 - beta)
                 self.write_grad(student, teacher, n_full, tail, to_base2, lse_s, lse_t, beta, cross, coef)
 
-        if tidx == 0:
+        if tidx == 0 and rank == 0:
             mLoss[row] = loss
+        red.done()
 
 
 @cache
@@ -206,7 +212,9 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
     scale, step = scale_view(grad_scale)
     vec = pick_vec(V, student_logits, teacher_logits)
     labels = per_row(labels)
+    case = beta_case(float(beta))
+    launch = MIXTURE_LAUNCH if case == MIXTURE and LAUNCH.forced is None else LAUNCH.current
     run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
-                    LAUNCH.current, beta_case(float(beta)), scale is not None)
+                    launch, case, scale is not None)
     run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))
     return loss

@@ -1,4 +1,5 @@
-"""KL(target || softmax(student / T)) per row, loss and student gradient in one CuTeDSL kernel, one CTA per row.
+"""KL(target || softmax(student / T)) per row, loss and student gradient in one CuTeDSL kernel, one CTA (or
+cluster, _row.py) per row.
 
 loss = sum_j q_j (log q_j - s_j + lse) = A - B + lse * Q with A = sum q log q (0 log 0 = 0), B = sum q s,
 Q = sum q: none of A, B, Q needs lse, so pass 1 gathers them beside the softmax state and pass 2 writes
@@ -22,12 +23,14 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._rows import row_losses
 from . import _row
-from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowTiles, block_lse, block_sum, online_softmax_step,
-                   tile_sum, zero_row)
+from ._row import (FLT_MIN, LN2, LOG2E, NEG_BIG, RowLaunch, RowReductions, RowTiles, online_softmax_step, tile_sum,
+                   zero_row)
 from ._support import (PRIORITY, CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 
-LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", RowLaunch(threads=256, unroll=2))
+# Each row split across a cluster of 8 CTAs (_row.py), so that pass 2 finds the row in L2: 0.993 ms a 4096 x 128256
+# bf16 chunk against 1.271 with a CTA per row (benchmarks/NOTES.md).
+LAUNCH = LaunchKnobs("cutedsl kl_div_loss_and_grad", RowLaunch(threads=256, unroll=2, split=8))
 LN2_HI = 0.693145751953125  # ln 2 to 12 significant bits: n * LN2_HI is exact for |n| < 2^12
 LN2_LO = 1.4286068203094173e-06  # ln 2 - LN2_HI
 
@@ -58,7 +61,7 @@ class KLDivKernel:
                  mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
                  eps: Float32, stream):
         self.kernel(mS, mTarget, mLabels, mLoss, mScale, scale_step, ignore_index, inv_temp, eps).launch(
-            grid=[mS.shape[0], 1, 1], block=[self.launch.threads, 1, 1], stream=stream)
+            **self.launch.over_rows(mS.shape[0]), stream=stream)
 
     @cute.jit
     def target(self, t: cute.TensorSSA, eps: Float32):
@@ -73,8 +76,8 @@ class KLDivKernel:
 
     @cute.jit
     def statistics(self, student: RowTiles, target: RowTiles, n_full: Int32, tail: Boolean, inv_temp: Float32,
-                   eps: Float32, buf: cute.Tensor):
-        """Pass 1 over the row, CTA-wide (slots 0-4 of buf): the base-2 log-sum-exp of s = student / T, A, B, Q.
+                   eps: Float32, red: RowReductions):
+        """Pass 1 over the row, row-wide (slots 0-4): the base-2 log-sum-exp of s = student / T, A, B, Q.
 
         Loads evict-last; padding has q = 0, s = 0."""
         m = Float32(NEG_BIG)
@@ -97,8 +100,8 @@ class KLDivKernel:
             acc_qlogq += tile_sum(q_log_q)
             acc_qs += tile_sum(q * s)
             acc_q += tile_sum(q)
-        m, d = block_lse(m, d, buf, 0)
-        acc_qlogq, acc_qs, acc_q = block_sum((acc_qlogq, acc_qs, acc_q), buf, 2)
+        m, d = red.lse(m, d, 0)
+        acc_qlogq, acc_qs, acc_q = red.sum((acc_qlogq, acc_qs, acc_q), 2)
         return m + cute.math.log2(d, fastmath=True), acc_qlogq, acc_qs, acc_q
 
     @cute.jit
@@ -121,10 +124,10 @@ class KLDivKernel:
                mScale: cute.Tensor | None, scale_step: Int32, ignore_index: Int64, inv_temp: Float32,
                eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 5)
-        student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
-        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
+        row, rank = _row.place(self.launch)
+        red = RowReductions.of(self.launch, 5)
+        student = RowTiles.of(mS, row, tidx, self.vec, self.launch, rank)
+        target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch, rank)
         n_full, tail = student.span()
         valid = _row.valid_row(mLabels, row, ignore_index)
         loss = Float32(0.0)
@@ -132,7 +135,7 @@ class KLDivKernel:
         if not valid:
             zero_row(student, n_full, tail)
         else:
-            lse2, acc_qlogq, acc_qs, acc_q = self.statistics(student, target, n_full, tail, inv_temp, eps, buf)
+            lse2, acc_qlogq, acc_qs, acc_q = self.statistics(student, target, n_full, tail, inv_temp, eps, red)
             loss = acc_qlogq - acc_qs + lse2 * LN2 * acc_q
 
             # Pass 2: dL/ds_j = softmax_j * Q - q_j, times 1/T and grad_scale.
@@ -141,8 +144,9 @@ class KLDivKernel:
                 scale = scale * mScale[row * scale_step]
             self.write_grad(student, target, n_full, tail, inv_temp, eps, lse2, scale * acc_q, scale)
 
-        if tidx == 0:
+        if tidx == 0 and rank == 0:
             mLoss[row] = loss
+        red.done()
 
 
 @cache

@@ -12,6 +12,8 @@ inputs of one column take any stride (their flat view and row step, as grad_scal
 contiguous. Ignored rows are never read: zero statistics, zero gradient.
 """
 
+import dataclasses
+
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
@@ -20,7 +22,7 @@ from liger_dispatch import register_backend
 from .._launch import LaunchKnobs
 from .._vp_rows import row_stats
 from . import _row, ce, jsd, kl_div
-from ._row import FLT_MIN, LN2, LOG2E, RowTiles, block_max, block_sum, zero_row
+from ._row import FLT_MIN, LN2, LOG2E, RowReductions, RowTiles, zero_row
 from ._support import (CUTE_DTYPE, Launcher, Syms, cache, capability, compile_kernel, per_row,
                        pick_vec, row_limits, scale_view)
 from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, beta_case
@@ -30,9 +32,10 @@ from .jsd import FORWARD_KL, MIXTURE, REVERSE_KL, beta_case
 VP_PRIORITY = 25
 
 # the row-kernel knobs of each family's vocab-parallel kernels, by default those of its single-vocabulary kernel
-CE_LAUNCH = LaunchKnobs("cutedsl ce vocab-parallel ops", ce.LAUNCH.default)
-JSD_LAUNCH = LaunchKnobs("cutedsl jsd vocab-parallel ops", jsd.LAUNCH.default)
-KL_DIV_LAUNCH = LaunchKnobs("cutedsl kl_div vocab-parallel ops", kl_div.LAUNCH.default)
+# A CTA per row (these kernels do not split rows across a cluster)
+CE_LAUNCH = LaunchKnobs("cutedsl ce vocab-parallel ops", ce.COMPUTE_BOUND_LAUNCH)
+JSD_LAUNCH = LaunchKnobs("cutedsl jsd vocab-parallel ops", dataclasses.replace(jsd.LAUNCH.default, split=1))
+KL_DIV_LAUNCH = LaunchKnobs("cutedsl kl_div vocab-parallel ops", dataclasses.replace(kl_div.LAUNCH.default, split=1))
 
 
 def _launch(kernel, mX, *args, stream):
@@ -61,9 +64,9 @@ class CEStatsKernel(ce.CrossEntropyKernel):
                vocab_start: Int64, ignore_index: Int64, softcap: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 5)
+        red = RowReductions.of(self.launch, 5)
         tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
-        weights = self.weight_tiles(mWeightRow, tidx)
+        weights = self.weight_tiles(mWeightRow, tidx, None)
         n_full, tail = tiles.span()
         target = mTarget[row]
         lse = Float32(0.0)
@@ -75,9 +78,9 @@ class CEStatsKernel(ce.CrossEntropyKernel):
             local = target - vocab_start
             if local >= 0 and local < mX.shape[1]:
                 z_y = self.logits(Float32(mX[row, Int32(local)]), softcap)[0]
-            lse2, z_sum, w_sum, z_max = self.softmax_state(tiles, weights, n_full, tail, softcap, buf)
-            z_sum, w_sum = block_sum((z_sum, w_sum), buf, 2)
-            z_max = block_max(z_max, buf, 4)
+            lse2, z_sum, w_sum, z_max = self.softmax_state(tiles, weights, n_full, tail, softcap, red)
+            z_sum, w_sum = red.sum((z_sum, w_sum), 2)
+            z_max = red.max(z_max, 4)
             if const_expr(not self.has_weight):
                 w_sum = Float32(mX.shape[1])
             lse = lse2 * LN2
@@ -111,7 +114,7 @@ class CEGradKernel(ce.CrossEntropyKernel):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         tiles = RowTiles.of(mX, row, tidx, self.vec, self.launch)
-        weights = self.weight_tiles(mWeightRow, tidx)
+        weights = self.weight_tiles(mWeightRow, tidx, None)
         n_full, tail = tiles.span()
         target = mTarget[row]
         if target == ignore_index:
@@ -150,14 +153,14 @@ class JSDStatsKernel(jsd.JSDKernel):
                ignore_index: Int64, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 4)
+        red = RowReductions.of(self.launch, 4)
         student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
         teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
         lse_s = Float32(0.0)
         lse_t = Float32(0.0)
         if _row.valid_row(mLabels, row, ignore_index):
-            lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, inv_temp * LOG2E, buf)
+            lse_s, lse_t = self.softmax_states(student, teacher, n_full, tail, inv_temp * LOG2E, red)
             lse_s, lse_t = lse_s * LN2, lse_t * LN2
         if tidx == 0:
             mStats[row * 2] = lse_s
@@ -180,7 +183,7 @@ class JSDSumsKernel(jsd.JSDKernel):
                mSums: cute.Tensor, ignore_index: Int64, beta: Float32, inv_temp: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 2)
+        red = RowReductions.of(self.launch, 2)
         student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
         teacher = RowTiles.of(mT, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
@@ -190,7 +193,7 @@ class JSDSumsKernel(jsd.JSDKernel):
             acc_loss, acc_s = self.divergence_sums(
                 student, teacher, n_full, tail, inv_temp * LOG2E, mLse[row * 2] * LOG2E, mLse[row * 2 + 1] * LOG2E,
                 beta, True, False, Float32(0.0))
-            acc_loss, acc_s = block_sum((acc_loss, acc_s), buf, 0)
+            acc_loss, acc_s = red.sum((acc_loss, acc_s), 0)
             loss = acc_loss * LN2
             if const_expr(self.case == REVERSE_KL):
                 cross = loss
@@ -252,7 +255,7 @@ class KLDivStatsKernel(kl_div.KLDivKernel):
                ignore_index: Int64, inv_temp: Float32, eps: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
-        buf = _row.reduction_buffer(self.launch.warps, 5)
+        red = RowReductions.of(self.launch, 5)
         student = RowTiles.of(mS, row, tidx, self.vec, self.launch)
         target = RowTiles.of(mTarget, row, tidx, self.vec, self.launch)
         n_full, tail = student.span()
@@ -261,7 +264,7 @@ class KLDivStatsKernel(kl_div.KLDivKernel):
         q_s = Float32(0.0)
         q_sum = Float32(0.0)
         if _row.valid_row(mLabels, row, ignore_index):
-            lse2, q_log_q, q_s, q_sum = self.statistics(student, target, n_full, tail, inv_temp, eps, buf)
+            lse2, q_log_q, q_s, q_sum = self.statistics(student, target, n_full, tail, inv_temp, eps, red)
             lse = lse2 * LN2
         if tidx == 0:
             mStats[row * 4] = lse
