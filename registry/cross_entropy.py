@@ -232,14 +232,14 @@ def compose_flce(kernel, vocab_parallel=None):
         labels = fl.flat(target).long()
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
-        count = fl.valid_count(labels, x.shape[0], ignore_index, x.device) if mean or asked else None
+        count, inverse = fl.valid_count(labels, x.shape[0], ignore_index, x.device) if mean or asked else (None, None)
         weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale, ce_weight=weights)
         if row_weights is not None:
             scale = fl.flat(row_weights).to(torch.float32)
         elif mean:
-            scale = count.reciprocal()  # one launch (1.0 / count is two)
+            scale = inverse
         else:
             scale = torch.ones((), device=x.device)
         row_stats = x.new_empty(x.shape[0], 2, dtype=heads.loss_dtype(x)) if asked else None

@@ -114,9 +114,8 @@ def compose(kernel, vocab_parallel=None):
         x = fl.flat(student_input, student_input.shape[-1])
         xt = fl.flat(teacher_input, teacher_input.shape[-1])
         labels = None if shift_labels is None else fl.flat(shift_labels).long()
-        count = fl.valid_count(labels, x.shape[0], ignore_index, x.device)
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
-        scale = factor / count
+        _, scale = fl.valid_count(labels, x.shape[0], ignore_index, x.device, factor)
         teacher = []  # the teacher's logits buffer, made by the first chunk: the largest
 
         def chunk_loss(logits, start, end, chunk_scale):

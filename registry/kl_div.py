@@ -128,9 +128,9 @@ def compose(kernel, vocab_parallel=None):
         if reduction == "sum":
             scale = torch.ones((), device=x.device)
         else:
-            count = fl.valid_count(labels, x.shape[0], ignore_index, x.device)
             total = vocab if vocab_parallel is None else vocab_parallel.total
-            scale = 1.0 / (count * total if reduction == "mean" else count)
+            _, scale = fl.valid_count(labels, x.shape[0], ignore_index, x.device,
+                                      1.0 / total if reduction == "mean" else 1.0)
 
         def chunk_loss(logits, start, end, chunk_scale):
             chunk_labels = None if labels is None else labels[start:end]

@@ -46,8 +46,10 @@ ARGS = {
     "logprobs_stats": lambda: (torch.randn(N, V), _labels(N)),
     "logprobs_grad": lambda: (torch.randn(N, V), _labels(N), torch.zeros(N, 3), torch.ones(N)),
     "check_class_indices": lambda: (_labels(N),),
+    "valid_rows": lambda: (_labels(N),),
 }
-REQUIRED = {"mhc_coeff_fwd": dict(hc=HC), "check_class_indices": dict(vocab=V, ignore_index=-100)}
+REQUIRED = {"mhc_coeff_fwd": dict(hc=HC), "check_class_indices": dict(vocab=V, ignore_index=-100),
+            "valid_rows": dict(ignore_index=-100)}
 UNCHECKED = {("mhc_coeff_fwd", "hc")}  # hc is checked against phi's columns (an error naming phi)
 NOT_NUMBERS = {"float": (True, math.inf, -math.inf, math.nan, "1.0"), "Optional[float]": (True, math.inf, math.nan),
                "int": (True, 1.5, "1"), "bool": (1, None, "yes")}

@@ -1,4 +1,4 @@
-"""Reference check_class_indices and scale_grad: torch ops, no host sync (registry/support.py).
+"""Reference check_class_indices, scale_grad and valid_rows: torch ops, no host sync (registry/support.py).
 
 The label check: with the sorted edges [ignore_index, ignore_index + 1, 0, V] (just [0, V] when ignore_index is in
 range), the number of edges <= t (`bucketize(..., right=True)`) is odd exactly for valid labels: 1 at ignore_index,
@@ -59,3 +59,9 @@ def check_class_indices(target, *, vocab, ignore_index, name="target"):
 def scale_grad(grad, grad_loss):
     """The product in fp32, rounded once to the gradient's dtype, as the Triton kernel does."""
     grad.copy_(grad.float() * grad_loss.float())
+
+
+@register_backend("valid_rows", backend="reference", priority=PRIORITY, capability=CAPABILITY)
+def valid_rows(target, *, ignore_index, scale=1.0):
+    count = (target != ignore_index).sum(dtype=torch.float32).clamp_min_(1)
+    return torch.stack((count, torch.full_like(count, scale) / count))  # IEEE division, as the Triton kernel's

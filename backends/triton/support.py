@@ -1,11 +1,12 @@
-"""check_class_indices and scale_grad in Triton (registry/support.py): one launch each, no host sync, launched
-directly after a signature's first call (_support.Launch: ~1 us of Python, not Triton's ~15). On CUDA devices
-only: under the interpreter the reference's torch ops serve CPU tensors faster."""
+"""check_class_indices, scale_grad and valid_rows in Triton (registry/support.py): one launch each, no host sync,
+launched directly after a signature's first call (_support.Launch: ~1 us of Python, not Triton's ~15). On CUDA
+devices only: under the interpreter the reference's torch ops serve CPU tensors faster."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
 
@@ -19,6 +20,8 @@ LABEL_BLOCK = 1024
 # One block a program: when grad_loss is 1 each program reads it and returns (~n / SCALE_BLOCK tiny programs, tens
 # of us for a 128k x 4k dW), which is the case this kernel exists for.
 SCALE_BLOCK = 8192
+# valid_rows: one program counts every label, a block a step (a mean's divisor for up to 2^24 rows is exact in fp32)
+ROWS_BLOCK = 8192
 _launches = BoundedCache("triton support launches", 1024)  # one per kernel and call signature
 
 
@@ -46,6 +49,22 @@ def _scale_kernel(
         tl.store(X + offs, (x.to(tl.float32) * g).to(X.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rows_kernel(
+    T,  # [n] labels
+    OUT,  # [2] fp32: count (at least 1), scale / count
+    n, ignore_index, scale, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    counts = tl.zeros([BLOCK], dtype=tl.int32)
+    for step in range(STEPS):  # a constexpr trip count: the interpreter takes no runtime loop bound
+        offs = step * BLOCK + tl.arange(0, BLOCK)
+        t = tl.load(T + offs, mask=offs < n, other=0)
+        counts += ((t != ignore_index) & (offs < n)).to(tl.int32)
+    count = tl.maximum(tl.sum(counts, axis=0).to(tl.float32), 1.0)
+    tl.store(OUT, count)
+    tl.store(OUT + 1, tl.div_rn(scale, count))  # IEEE division, as torch's (Triton's `/` is approximate)
+
+
 def launch_check(target, vocab, ignore_index, name="target"):
     """The check of a 1-D contiguous target (the interpreter runs it on CPU tensors: the tests)."""
     n = target.numel()
@@ -68,6 +87,19 @@ def launch_scale(grad, grad_loss):
         _launches.get(key, plan)(direct_target(grad, grad_loss), grad, grad_loss)
 
 
+def launch_rows(target, ignore_index, scale):
+    """valid_rows of a 1-D contiguous target (the interpreter runs it on CPU tensors: the tests)."""
+    n = target.numel()
+    out = torch.empty(2, dtype=torch.float32, device=target.device)
+
+    def plan():
+        steps = max(triton.cdiv(n, ROWS_BLOCK), 1)
+        return Launch(_rows_kernel, (1,), (n, ignore_index, scale), num_warps=8, STEPS=steps, BLOCK=ROWS_BLOCK)
+
+    _launches.get((_rows_kernel, n, ignore_index, scale, target.dtype), plan)(direct_target(target, out), target, out)
+    return out
+
+
 @register_backend("check_class_indices", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
 def check_class_indices(target, *, vocab, ignore_index, name="target"):
     # contiguous: a strided view (a column of a label matrix) flattens to a strided view, which the kernel would
@@ -78,3 +110,8 @@ def check_class_indices(target, *, vocab, ignore_index, name="target"):
 @register_backend("scale_grad", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
 def scale_grad(grad, grad_loss):
     launch_scale(grad, grad_loss)
+
+
+@register_backend("valid_rows", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
+def valid_rows(target, *, ignore_index, scale=1.0):
+    return launch_rows(target.reshape(-1).contiguous(), ignore_index, float(scale))  # contiguous: see above

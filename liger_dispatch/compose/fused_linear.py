@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import torch
 
 from liger_dispatch.compose import grad_bounds
+from liger_dispatch.core import calls
+from liger_dispatch.core.table import TABLE
 from liger_dispatch import settings
 
 ROW_ALIGN = 64
@@ -154,11 +156,14 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
-def valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device) -> torch.Tensor:
-    """Non-ignored rows as an fp32 device scalar, at least 1 (all ignored -> loss 0, not NaN). No sync."""
+def valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count, scale / count) as fp32 device scalars, count the non-ignored rows, at least 1 (all ignored -> loss 0,
+    not NaN): one launch (registry/support.py's valid_rows), no sync."""
     if labels is None:
-        return torch.full((), float(max(n, 1)), device=device)
-    return (labels != ignore_index).sum(dtype=torch.float32).clamp_min_(1)  # 3 launches, not 4
+        count = float(max(n, 1))
+        return torch.full((), count, device=device), torch.full((), scale / count, device=device)
+    return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale)).unbind()
 
 
 def flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:

@@ -191,13 +191,12 @@ def value_checks(spec, plan: Plan, a) -> None:
         plan.checks = None
 
 
-def machinery(spec, args: tuple, kwargs: dict) -> None:
-    """Run one of the machinery's own kernel-level ops (registry/support.py): within a plan's value checks, the
-    kernel that plan keeps for this place; elsewhere, the plan of this call's signature."""
+def machinery(spec, args: tuple, kwargs: dict):
+    """Run one of the machinery's own kernel-level ops (registry/support.py) and return what it returns: within a
+    plan's value checks, the kernel that plan keeps for this place; elsewhere, the plan of this call's signature."""
     at = getattr(_checking, "at", None)
     if at is None:
-        kernel(spec, (), args, kwargs)(*args, **kwargs)
-        return
+        return kernel(spec, (), args, kwargs)(*args, **kwargs)
     kernels, place = at
     at[1] = place + 1
-    kernels.run(place, spec, args, kwargs)
+    return kernels.run(place, spec, args, kwargs)

@@ -1,0 +1,92 @@
+"""valid_rows (registry/support.py): a mean's count and gradient scale in one launch. The Triton kernel the GPU runs
+(in the interpreter here, and compiled for sm_90 by Triton's own ptxas) gives exactly the reference's values, for
+any label dtype, ignore_index, strides and length; the losses' means use it."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from liger_dispatch.backends.reference import support as reference_support
+from liger_dispatch.backends.triton import support as triton_support
+from liger_dispatch.compose import fused_linear as fl
+from liger_dispatch.core.table import TABLE
+
+
+def _labels(n, dtype, ignore_index, ignored=0.3):
+    labels = torch.randint(0, 50, (n,)).to(dtype)
+    labels[torch.rand(n) < ignored] = ignore_index
+    return labels
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [1, 7, 8192, 8193, 20000])
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1.0 / 128256])
+def test_triton_kernel_gives_the_reference_values(dtype, n, ignore_index, scale):
+    labels = _labels(n, dtype, ignore_index)
+    got = triton_support.launch_rows(labels, ignore_index, scale)
+    expected = reference_support.valid_rows(labels, ignore_index=ignore_index, scale=scale)
+    assert got.dtype == expected.dtype == torch.float32 and got.shape == expected.shape == (2,)
+    assert torch.equal(got, expected), (got, expected)
+    assert got[0] == max(int((labels != ignore_index).sum()), 1)
+
+
+def test_all_rows_ignored_count_one_not_zero():
+    labels = torch.full((9000,), -100)
+    for fn in (lambda: triton_support.launch_rows(labels, -100, 2.0),
+               lambda: reference_support.valid_rows(labels, ignore_index=-100, scale=2.0)):
+        assert fn().tolist() == [1.0, 2.0]
+
+
+def test_a_strided_target_is_read_as_its_values():
+    """A column of a label matrix whose neighbours are ignore_index: the count is the column's."""
+    labels = torch.full((700, 3), -100)
+    labels[:, 0] = torch.randint(0, 50, (700,))
+    got = triton_support.valid_rows(labels[:, 0], ignore_index=-100)
+    assert torch.equal(got, torch.tensor([700.0, 1.0]) / torch.tensor([1.0, 700.0]))
+
+
+def test_the_mean_of_a_call_without_labels_divides_by_its_rows():
+    count, scale = fl.valid_count(None, 6, -100, torch.device("cpu"), 3.0)
+    assert count.item() == 6.0 and scale.item() == pytest.approx(0.5)
+    count, scale = fl.valid_count(torch.tensor([1, -100, 2]), 3, -100, torch.device("cpu"), 3.0)
+    assert count.item() == 2.0 and scale.item() == 1.5
+
+
+def test_the_op_is_machinery_served_by_triton_on_cuda_and_the_reference_elsewhere():
+    spec = TABLE.spec("valid_rows")
+    assert spec.internal
+    backends = {impl.backend: impl.capability.devices for impl in TABLE.candidates("valid_rows")}
+    assert backends == {"reference": ("cpu", "cuda"), "triton": ("cuda",)}
+
+
+def test_kernel_compiles_for_sm90():
+    """Compiled by Triton for sm_90 (ptxas included) in a child process: this one runs under the interpreter."""
+    script = textwrap.dedent("""
+        import os
+        os.environ.pop("TRITON_INTERPRET", None)
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+        from liger_dispatch.backends.triton.support import ROWS_BLOCK, _rows_kernel
+        signature = {"T": "*i64", "OUT": "*fp32", "n": "i32", "ignore_index": "i32", "scale": "fp32",
+                     "STEPS": "constexpr", "BLOCK": "constexpr"}
+        src = ASTSource(_rows_kernel, signature, constexprs={"STEPS": 3, "BLOCK": ROWS_BLOCK})
+        kernel = compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert "div.rn.f32" in kernel.asm["ptx"], "IEEE division"
+        assert kernel.asm["cubin"][:4] == b"\\x7fELF"
+        print("compiled")
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 5000, 131072])
+def test_gpu_triton_gives_the_reference_values(n):
+    labels = _labels(n, torch.int64, -100).cuda()
+    got = triton_support.valid_rows(labels, ignore_index=-100, scale=1.0 / 3)
+    assert torch.equal(got, reference_support.valid_rows(labels, ignore_index=-100, scale=1.0 / 3))
