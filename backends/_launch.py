@@ -34,8 +34,12 @@ class LaunchKnobs:
     @property
     def current(self):
         """The knobs in effect on this thread: the forced ones, else the default."""
+        return self.current_or(self.default)
+
+    def current_or(self, default):
+        """The forced knobs, else `default`: where the best default depends on the call (one read of the knobs)."""
         knobs = self._forced.get()
-        return self.default if knobs is None else knobs
+        return default if knobs is None else knobs
 
     @contextlib.contextmanager
     def using(self, **knobs):

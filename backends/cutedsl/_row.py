@@ -208,9 +208,10 @@ def tile_sum(x: cute.TensorSSA):
     return x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
 
 
-def reduction_buffer(warps: int, n_slots: int):
-    """Shared fp32 scratch of warps x n_slots for the block reductions of one kernel."""
-    smem = cutlass.memory.SmemAllocator()
+def reduction_buffer(warps: int, n_slots: int, smem=None):
+    """Shared fp32 scratch of warps x n_slots for the block reductions of one kernel (from `smem`, an allocator the
+    kernel's other shared tensors come from too, else a new one)."""
+    smem = cutlass.memory.SmemAllocator() if smem is None else smem
     return smem.allocate_tensor(Float32, cute.make_layout((warps, n_slots)), byte_alignment=16)
 
 
@@ -275,7 +276,7 @@ class RowReductions:
     @staticmethod
     def of(launch: RowLaunch, n_slots: int):
         smem = cutlass.memory.SmemAllocator()
-        buf = smem.allocate_tensor(Float32, cute.make_layout((launch.warps, n_slots)), byte_alignment=16)
+        buf = reduction_buffer(launch.warps, n_slots, smem)
         shared = None
         if const_expr(launch.split > 1):
             shared = smem.allocate_tensor(Float32, cute.make_layout(n_slots), byte_alignment=16)

@@ -249,7 +249,7 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
     weights, weight_row = weight_views(ce_weight, 0, V, label_smoothing != 0.0)
     vec = pick_vec(V, logits, *(() if weight_row is None else (weight_row,)))
     compute_bound = softcap is not None or label_smoothing != 0.0
-    launch = COMPUTE_BOUND_LAUNCH if compute_bound and LAUNCH.forced is None else LAUNCH.current
+    launch = LAUNCH.current_or(COMPUTE_BOUND_LAUNCH if compute_bound else LAUNCH.default)
     run = _compiled(logits.dtype, target.dtype, vec, launch, scale is not None, softcap is not None,
                     label_smoothing != 0.0, ce_weight is not None, row_stats is not None)
     run(logits, target, loss, scale, step, weights, weight_row, None if row_stats is None else row_stats.view(-1),

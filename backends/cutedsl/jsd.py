@@ -213,7 +213,7 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
     vec = pick_vec(V, student_logits, teacher_logits)
     labels = per_row(labels)
     case = beta_case(float(beta))
-    launch = MIXTURE_LAUNCH if case == MIXTURE and LAUNCH.forced is None else LAUNCH.current
+    launch = LAUNCH.current_or(MIXTURE_LAUNCH if case == MIXTURE else LAUNCH.default)
     run = _compiled(student_logits.dtype, teacher_logits.dtype, labels.dtype if labels is not None else None, vec,
                     launch, case, scale is not None)
     run(student_logits, teacher_logits, labels, loss, scale, step, ignore_index, float(beta), 1.0 / float(temperature))

@@ -58,8 +58,9 @@ def _rows_kernel(
     counts = tl.zeros([BLOCK], dtype=tl.int32)
     for step in range(STEPS):  # a constexpr trip count: the interpreter takes no runtime loop bound
         offs = step * BLOCK + tl.arange(0, BLOCK)
-        t = tl.load(T + offs, mask=offs < n, other=0)
-        counts += ((t != ignore_index) & (offs < n)).to(tl.int32)
+        in_rows = offs < n
+        t = tl.load(T + offs, mask=in_rows, other=0)
+        counts += ((t != ignore_index) & in_rows).to(tl.int32)
     count = tl.maximum(tl.sum(counts, axis=0).to(tl.float32), 1.0)
     tl.store(OUT, count)
     tl.store(OUT + 1, tl.div_rn(scale, count))  # IEEE division, as torch's (Triton's `/` is approximate)
