@@ -27,6 +27,7 @@ NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, 
 MAX_INPUT_COPIES = 8
 # Calls one timed row makes: check, first call, timing.bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
+MIN_REPS = 5  # timed repetitions of a row at the least, over all its rounds
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Settings:
     seed: int = 0
     warm: bool = False  # L2 not flushed between repetitions, one input set (what a repeated training step sees)
     truth: Optional[torch.dtype] = None  # check against the formula in this dtype (float64), not in the input dtype
+    rounds: int = 1  # the providers of a case timed in turn, this many times over (fwd and fwd+bwd)
 
 
 @dataclass(frozen=True)
@@ -143,26 +145,40 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
     if len(sets) > 1:
         note.append(f"inputs rotated over {len(sets)} sets")
     leaves = [leaf for inputs in sets for leaf in inputs.leaves]
+    rounds = 1 if case.mode == "bwd" else max(1, s.rounds)
+    if rounds > 1 and len(passed) > 1:
+        note.append(f"providers interleaved over {rounds} rounds")
+    live, steps, times = [], {}, {}
     for p, fn, errors in passed:
         skip = _skip(case, p, s, history)
         if skip:
             skip.errors = errors
             finish(p, skip)
-            continue
+        else:
+            live.append((p, fn, errors))
+    for r, (p, fn, errors) in timing.turns(live, rounds):  # each round a share of --rep-ms
+        last = r == rounds - 1
         outcome = None
         try:
-            step = _step(fn, sets, case.mode)
-            result = timing.bench(step, leaves, s.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, flush=not s.warm)
-            peak = timing.peak_mb(step, leaves, s.device)
-            outcome = Outcome(OK, result, peak, errors, list(note))
+            step = steps.pop(p.name, None) or _step(fn, sets, case.mode)
+            times.setdefault(p.name, []).extend(timing.samples(
+                step, leaves, s.device, warmup_ms=s.warmup_ms if r == 0 else 0.0, rep_ms=s.rep_ms / rounds,
+                min_reps=math.ceil(MIN_REPS / rounds), flush=not s.warm))
+            if last:
+                peak = timing.peak_mb(step, leaves, s.device)
+                outcome = Outcome(OK, timing.summarize(times[p.name]), peak, errors, list(note))
+            else:
+                steps[p.name] = step
         except Exception as exc:
             outcome = Outcome(OOM if _is_oom(exc) else FAIL, errors=errors, notes=[f"while timing: {_describe(exc)}"])
+            live.remove((p, fn, errors))
         step = None
         for leaf in leaves:
             leaf.grad = None
         _cleanup(s.device)
         _ensure_device(s.device, p.name)
-        finish(p, outcome)
+        if outcome is not None:
+            finish(p, outcome)
 
 
 def _skip(case: Case, p: Provider, s: Settings, history: History) -> Optional[Outcome]:

@@ -67,6 +67,9 @@ def add_timing_options(p: argparse.ArgumentParser) -> None:
                    help="skip a size predicted (from the smaller ones) to keep one row busy longer")
     p.add_argument("--time-budget-s", type=float, default=math.inf,
                    help="after this, the remaining rows are skipped (results are written as they come)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="time a case's providers in turn this many times over, each for a share of --rep-ms "
+                        "(fwd and fwd+bwd), so that a drift of the GPU's clocks reaches all of them alike")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -74,7 +77,7 @@ def timing_settings(args: argparse.Namespace, device: torch.device, started: flo
                     truth: Optional[torch.dtype] = None) -> measure.Settings:
     """The measure.Settings of add_timing_options' options, for a run that started at time.monotonic() `started`."""
     return measure.Settings(device, args.warmup_ms, args.rep_ms, args.max_row_s, started + args.time_budget_s,
-                            timing.l2_bytes(device), args.seed, warm, truth)
+                            timing.l2_bytes(device), args.seed, warm, truth, args.rounds)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -143,6 +143,12 @@ def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, 
           min_reps: int = 5, flush: bool = True) -> Timing:
     """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions, each after its gradients
     are reset and (unless flush=False) L2 is flushed, both outside the timed window."""
+    return summarize(samples(fn, grads, device, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps, flush=flush))
+
+
+def samples(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
+            min_reps: int = 5, flush: bool = True) -> list[float]:
+    """bench's timed repetitions, in ms, one a call."""
     reset_grads(grads)
     estimate = max(wall_ms(fn, device), 1e-3)  # also the first warm-up call
     rep_ms = max(rep_ms, min_reps * estimate)
@@ -154,10 +160,20 @@ def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, 
     while len(times) < min_reps or time.perf_counter() < deadline:
         reset_grads(grads)
         times.append(wall_ms(fn, device))
-    return summarize(times)
+    return times
 
 
-def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> Timing:
+def turns(items: list, rounds: int) -> Iterator[tuple[int, object]]:
+    """(round, item): `rounds` passes over `items` (read afresh at each pass, so an item removed stays out), each
+    starting one item later; what times several callables in turn, so that a drift of the GPU's clocks over the
+    measurement reaches all of them alike."""
+    for r in range(rounds):
+        k = r % len(items) if items else 0
+        for item in (*items[k:], *items[:k]):
+            yield r, item
+
+
+def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> list[float]:
     """triton.testing.do_bench's measurement, but every call, warm-up and estimate too, starts from reset gradients
     (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are overwritten by the
     next replay, and autograd would read them to accumulate); one synchronization at the end."""
@@ -174,7 +190,7 @@ def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: 
         fn()
         end.record()
     torch.cuda.synchronize()
-    return summarize([start.elapsed_time(end) for start, end in events])
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def summarize(values: Sequence[float]) -> Timing:

@@ -147,3 +147,37 @@ def test_float64_truth_checks_every_provider_against_the_formula_in_float64(tmp_
     assert run.main(argv) == 0  # the formula in bf16: torch is the reference, with no error of its own
     torch_rows = [r for r in report.read_csv(out / "cpu.csv") if r["provider"] == "torch"]
     assert torch_rows and all(r["err_out"] == "" and "float64" not in r["note"] for r in torch_rows), torch_rows
+
+
+def test_rounds_time_the_providers_in_turn_with_the_order_rotated():
+    """--rounds: every provider is timed once a round, a round's first provider moving on by one, and each row's
+    timing pools its samples over all rounds."""
+    import math
+
+    from benchmarks import measure, shapes
+    from benchmarks.providers import Provider, formula
+
+    case = shapes.cases("flce", ["tiny"], None, None, [torch.float32], ["fwd+bwd"])[0]
+    timed = []
+
+    def provider(name):
+        def build(case):
+            eager = formula(case.op)
+
+            def call(*args, **kwargs):
+                timed.append(name)
+                return eager(*args, **kwargs)
+
+            return call
+
+        return Provider(name, build)
+
+    rows = {}
+    settings = measure.Settings(torch.device("cpu"), warmup_ms=0.0, rep_ms=0.0, max_row_s=math.inf,
+                                deadline=math.inf, l2_bytes=0, rounds=3)
+    measure.measure_case(case, [provider("a"), provider("b"), provider("c")], settings, measure.History(),
+                         lambda p, outcome: rows.setdefault(p.name, outcome))
+    assert {name: o.status for name, o in rows.items()} == {"a": "ok", "b": "ok", "c": "ok"}
+    assert all("providers interleaved over 3 rounds" in o.notes for o in rows.values())
+    runs = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
+    assert runs == list("abc" + "abc" + "bca" + "cab"), timed  # the checks, then the rounds

@@ -88,8 +88,8 @@ def backends_for(op: str, device: torch.device, dtype: torch.dtype, asked: Optio
 class Budget:
     """The run's deadline, and the last per-call time of each (op, backend), to predict its next measurement."""
 
-    def __init__(self, seconds: float, reps: int, warmup_ms: float):
-        self.seconds, self.reps, self.warmup_ms = seconds, reps, warmup_ms
+    def __init__(self, seconds: float, reps: int, warmup_ms: float, rounds: int = 1):
+        self.seconds, self.reps, self.warmup_ms, self.rounds = seconds, reps, warmup_ms, rounds
         self.deadline = time.monotonic() + seconds
         self._per_call: dict[tuple[str, str], tuple[int, float]] = {}  # (op, backend) -> (bytes, ms)
 
@@ -103,8 +103,10 @@ class Budget:
             return 0.0
         nbytes, ms = last
         ms *= point.inputs.nbytes() / max(nbytes, 1)
-        # the reference: its one checking call; a backend: check, bench's estimate, warm-up, repetitions
-        calls = 1 if backend == REFERENCE else 2 + max(1, math.ceil(self.warmup_ms / max(ms, 1e-3))) + self.reps
+        # the reference: its one checking call; a backend: check, then a round's estimate and warm-up each round,
+        # the rest of the warm-up, repetitions
+        warmup = max(1, math.ceil(self.warmup_ms / max(ms, 1e-3)))
+        calls = 1 if backend == REFERENCE else 1 + 2 * self.rounds + warmup - 1 + self.reps
         return ms * calls / 1e3
 
     def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
@@ -139,7 +141,7 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
         except Exception as exc:  # out of memory, say: nothing to check the backends against
             log(f"    the reference FAILED ({_describe(exc)}); not timed")
             return {}
-    times = {}
+    steps = {}
     for backend in backends:
         why = budget.short([point], [backend])
         if why:
@@ -153,18 +155,28 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
             got = timing.run(handle, inputs)  # also the first (compiling) call
             errors = timing.compare(got, want) if want is not None else None
             got = None  # its gradients: the size of the leaves
-            if errors is not None and not timing.passes(errors, dtype):
-                log(f"    {backend}: MISMATCH with the reference (relative error: outputs {errors[0]:.2e}, "
-                    f"gradients {errors[1]:.2e}); not timed")
-                continue
-            times[backend] = timing.bench(lambda: timing.backward(timing.forward(handle, inputs), inputs),
-                                          inputs.leaves, device, warmup_ms=budget.warmup_ms, rep_ms=0.0,
-                                          min_reps=budget.reps).ms
         except Exception as exc:  # one backend failing (out of memory, say) must not end the whole run
             log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
             continue
-        budget.record(point, backend, times[backend])
-        log(f"    {backend}: {times[backend]:.3f} ms" + ("" if want is not None else " (not checked: too large)"))
+        if errors is not None and not timing.passes(errors, dtype):
+            log(f"    {backend}: MISMATCH with the reference (relative error: outputs {errors[0]:.2e}, "
+                f"gradients {errors[1]:.2e}); not timed")
+            continue
+        steps[backend] = lambda handle=handle: timing.backward(timing.forward(handle, inputs), inputs)
+    samples: dict[str, list[float]] = {}
+    timed = list(steps)
+    for r, backend in timing.turns(timed, budget.rounds):
+        try:
+            samples.setdefault(backend, []).extend(timing.samples(
+                steps[backend], inputs.leaves, device, warmup_ms=budget.warmup_ms if r == 0 else 0.0, rep_ms=0.0,
+                min_reps=math.ceil(budget.reps / budget.rounds)))
+        except Exception as exc:
+            log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
+            timed.remove(backend)
+    times = {b: timing.summarize(samples[b]).ms for b in timed}
+    for backend, ms in times.items():
+        budget.record(point, backend, ms)
+        log(f"    {backend}: {ms:.3f} ms" + ("" if want is not None else " (not checked: too large)"))
     return times
 
 
@@ -252,7 +264,7 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         if not usable:
             print(f"  {op}: not tuned: no backend but the reference serves here "
                   f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
-    budget = Budget(args.budget_s, args.reps, args.warmup_ms)
+    budget = Budget(args.budget_s, args.reps, args.warmup_ms, args.rounds)
     entries, left = [], 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # a backend that falls back is reported, not timed
@@ -285,6 +297,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, **options)
     parser.add_argument("--backends", nargs="+", help="time only these (default: every backend that serves here)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions a backend and point, at least (median)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="time the backends of a point in turn this many times over, the repetitions shared out")
     parser.add_argument("--warmup-ms", type=float, default=0.0,
                         help="untimed calls after the checking one and bench's estimate, in ms (at least one call)")
     parser.add_argument("--budget-s", type=float, default=170.0,
