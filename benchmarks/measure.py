@@ -27,7 +27,6 @@ NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, 
 MAX_INPUT_COPIES = 8
 # Calls one timed row makes: check, first call, timing.bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
-MIN_REPS = 5  # timed repetitions of a row at the least, over all its rounds
 
 
 @dataclass
@@ -156,14 +155,13 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
             finish(p, skip)
         else:
             live.append((p, fn, errors))
-    for r, (p, fn, errors) in timing.turns(live, rounds):  # each round a share of --rep-ms
+    for r, (p, fn, errors) in timing.turns(live, rounds):
         last = r == rounds - 1
         outcome = None
         try:
             step = steps.pop(p.name, None) or _step(fn, sets, case.mode)
-            times.setdefault(p.name, []).extend(timing.samples(
-                step, leaves, s.device, warmup_ms=s.warmup_ms if r == 0 else 0.0, rep_ms=s.rep_ms / rounds,
-                min_reps=math.ceil(MIN_REPS / rounds), flush=not s.warm))
+            times.setdefault(p.name, []).extend(timing.round_samples(
+                step, leaves, s.device, r, rounds, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, flush=not s.warm))
             if last:
                 peak = timing.peak_mb(step, leaves, s.device)
                 outcome = Outcome(OK, timing.summarize(times[p.name]), peak, errors, list(note))

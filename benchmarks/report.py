@@ -29,8 +29,9 @@ _RUN_COLUMNS = ("date", "gpu", "driver", "torch", "triton", "helion", "cutlass",
 
 METHOD = """\
 Time: median (p20-p80) of CUDA-event timings as `triton.testing.do_bench` takes them (a host clock on the CPU)
-after warm-up, L2 flushed and gradients set to None before every call, outside the timed window; inputs rotated over several sets
-where one set would fit in L2; the providers of a case timed in turn over several rounds (`--rounds`, noted on the row). Memory: peak allocated during one call above what was allocated before it
+after warm-up, L2 flushed and gradients set to None before every call, outside the timed window; inputs rotated over
+several sets where one set would fit in L2; the providers of a case timed in turn over several rounds (`--rounds`,
+noted on the row). Memory: peak allocated during one call above what was allocated before it
 (gradients count, inputs do not). x roofline: time / max(GEMM FLOPs at the bf16 matmul rate, bytes at the
 copy bandwidth), both measured in the same run. GEMM FLOPs per pass: flce and kl fwd 2NHV, bwd 4NHV; jsd
 fwd 4NHV, bwd 4NHV; fwd+bwd is the sum. mHC is bound by bytes: x and phi read once per pass, their

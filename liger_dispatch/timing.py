@@ -163,6 +163,14 @@ def samples(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *
     return times
 
 
+def round_samples(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, r: int, rounds: int, *,
+                  warmup_ms: float, rep_ms: float, min_reps: int = 5, flush: bool = True) -> list[float]:
+    """samples for round r of `rounds` (see turns): the warm-up in the first round only, rep_ms and min_reps shared
+    out over the rounds."""
+    return samples(fn, grads, device, warmup_ms=warmup_ms if r == 0 else 0.0, rep_ms=rep_ms / rounds,
+                   min_reps=math.ceil(min_reps / rounds), flush=flush)
+
+
 def turns(items: list, rounds: int) -> Iterator[tuple[int, object]]:
     """(round, item): `rounds` passes over `items` (read afresh at each pass, so an item removed stays out), each
     starting one item later; what times several callables in turn, so that a drift of the GPU's clocks over the

@@ -103,10 +103,10 @@ class Budget:
             return 0.0
         nbytes, ms = last
         ms *= point.inputs.nbytes() / max(nbytes, 1)
-        # the reference: its one checking call; a backend: check, then a round's estimate and warm-up each round,
-        # the rest of the warm-up, repetitions
+        # the reference: its one checking call; a backend: check, an estimate and a warm-up call each round, the
+        # rest of --warmup-ms in the first, repetitions
         warmup = max(1, math.ceil(self.warmup_ms / max(ms, 1e-3)))
-        calls = 1 if backend == REFERENCE else 1 + 2 * self.rounds + warmup - 1 + self.reps
+        calls = 1 if backend == REFERENCE else 2 * self.rounds + warmup + self.reps
         return ms * calls / 1e3
 
     def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
@@ -167,9 +167,9 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
     timed = list(steps)
     for r, backend in timing.turns(timed, budget.rounds):
         try:
-            samples.setdefault(backend, []).extend(timing.samples(
-                steps[backend], inputs.leaves, device, warmup_ms=budget.warmup_ms if r == 0 else 0.0, rep_ms=0.0,
-                min_reps=math.ceil(budget.reps / budget.rounds)))
+            samples.setdefault(backend, []).extend(timing.round_samples(
+                steps[backend], inputs.leaves, device, r, budget.rounds, warmup_ms=budget.warmup_ms, rep_ms=0.0,
+                min_reps=budget.reps))
         except Exception as exc:
             log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
             timed.remove(backend)
