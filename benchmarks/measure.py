@@ -8,7 +8,6 @@ size a provider cannot fit or finish (predicted from the smaller sizes of this r
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from liger_dispatch import timing
 
 OK, FAIL, OOM, SKIPPED, NOT_APPLICABLE = "ok", "FAIL", "OOM", "skipped", "n/a"
 NOT_REACHED = "not reached"  # the run's time budget was spent first: reported, never recorded
-MAX_INPUT_COPIES = 8
 # Calls one timed row makes: check, first call, timing.bench's estimate and warm-up, min_reps, memory.
 CALLS_PER_ROW = 14
 
@@ -159,7 +157,7 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
         last = r == rounds - 1
         outcome = None
         try:
-            step = steps.pop(p.name, None) or _step(fn, sets, case.mode)
+            step = steps.pop(p.name, None) or timing.step(fn, sets, case.mode)
             times.setdefault(p.name, []).extend(timing.round_samples(
                 step, leaves, s.device, r, rounds, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, flush=not s.warm))
             if last:
@@ -244,34 +242,8 @@ def _input_sets(case: Case, s: Settings, workload: Workload) -> list[timing.Inpu
     first = workload.make_inputs(case, s.device, s.seed + 2)
     if s.warm:
         return [first]
-    copies = min(MAX_INPUT_COPIES, max(1, math.ceil(2 * s.l2_bytes / first.nbytes())))
+    copies = timing.input_copies(first.nbytes(), s.l2_bytes)
     return [first] + [workload.make_inputs(case, s.device, s.seed + 2 + i) for i in range(1, copies)]
-
-
-def _step(fn: Callable, sets: list[timing.Inputs], mode: str) -> Callable[[], None]:
-    """One timed repetition on the next input set."""
-    if mode == "bwd":
-        # The forward graphs are built once, outside the timing; backward keeps them for the next turn.
-        graphs = itertools.cycle([(timing.forward(fn, inputs), inputs) for inputs in sets])
-
-        def backward_only() -> None:
-            out, inputs = next(graphs)
-            timing.backward(out, inputs, retain_graph=True)
-
-        return backward_only
-    turn = itertools.cycle(sets)
-    if mode == "fwd":
-        def forward_only() -> None:
-            with torch.no_grad():
-                timing.forward(fn, next(turn))
-
-        return forward_only
-
-    def forward_backward() -> None:
-        inputs = next(turn)
-        timing.backward(timing.forward(fn, inputs), inputs)
-
-    return forward_backward
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -61,13 +61,13 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 def add_timing_options(p: argparse.ArgumentParser) -> None:
     """How rows are timed: the options of every measurement that times through benchmarks.measure."""
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=150.0, help="timed repetitions' total time per row")
+    p.add_argument("--warmup-ms", type=float, default=timing.WARMUP_MS)
+    p.add_argument("--rep-ms", type=float, default=timing.REP_MS, help="timed repetitions' total time per row")
     p.add_argument("--max-row-s", type=float, default=60.0,
                    help="skip a size predicted (from the smaller ones) to keep one row busy longer")
     p.add_argument("--time-budget-s", type=float, default=math.inf,
                    help="after this, the remaining rows are skipped (results are written as they come)")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=int, default=timing.ROUNDS,
                    help="time a case's providers in turn this many times over, each for a share of --rep-ms "
                         "(fwd and fwd+bwd), so that a drift of the GPU's clocks reaches all of them alike")
     p.add_argument("--seed", type=int, default=0)

@@ -16,6 +16,7 @@ graph's replay time.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -27,6 +28,10 @@ import torch
 
 L2_FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench zeroes to flush L2
 DEFAULT_L2_BYTES = 60 * 2**20
+MAX_INPUT_COPIES = 8
+WARMUP_MS = 25.0  # the harness's and tune's defaults: warm-up, timed repetitions' total, rounds
+REP_MS = 100.0
+ROUNDS = 5
 # ||got - want|| / ||want||; bf16/fp16 operands land between 1e-3 and 1e-2, fp32 (or tf32 inside) near 3e-4.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 
@@ -83,6 +88,37 @@ def run(fn: Callable, inputs: Inputs, mode: str = "fwd+bwd") -> Result:
     grads = [leaf.grad for leaf in inputs.leaves]
     reset_grads(inputs.leaves)
     return Result([o.detach() for o in outputs(out)], grads)
+
+
+def input_copies(nbytes: int, l2: int) -> int:
+    """Input sets to rotate over so that one call's inputs are not still in L2 from the last (2x L2 in all)."""
+    return min(MAX_INPUT_COPIES, max(1, math.ceil(2 * l2 / max(nbytes, 1))))
+
+
+def step(fn: Callable, sets: Sequence[Inputs], mode: str = "fwd+bwd") -> Callable[[], None]:
+    """One timed repetition of `fn` in `mode` on the next input set. bwd: the forward graphs are built once, here,
+    outside the timing, and backward keeps them for the next turn."""
+    if mode == "bwd":
+        graphs = itertools.cycle([(forward(fn, inputs), inputs) for inputs in sets])
+
+        def backward_only() -> None:
+            out, inputs = next(graphs)
+            backward(out, inputs, retain_graph=True)
+
+        return backward_only
+    turn = itertools.cycle(sets)
+    if mode == "fwd":
+        def forward_only() -> None:
+            with torch.no_grad():
+                forward(fn, next(turn))
+
+        return forward_only
+
+    def forward_backward() -> None:
+        inputs = next(turn)
+        backward(forward(fn, inputs), inputs)
+
+    return forward_backward
 
 
 # ---------------------------------------------------------------- agreement
@@ -150,25 +186,42 @@ def samples(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *
             min_reps: int = 5, flush: bool = True) -> list[float]:
     """bench's timed repetitions, in ms, one a call."""
     reset_grads(grads)
-    estimate = max(wall_ms(fn, device), 1e-3)  # also the first warm-up call
-    rep_ms = max(rep_ms, min_reps * estimate)
+    estimate = wall_ms(fn, device)  # also the first warm-up call
+    warmups, reps = calls(estimate, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)
     if device.type == "cuda":
-        return _events(fn, grads, reps=max(min_reps, round(rep_ms / estimate)),
-                       warmups=max(1, round(warmup_ms / estimate)), flush=flush)
+        return _events(fn, grads, reps=reps, warmups=warmups, flush=flush)
     times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
+    deadline = time.perf_counter() + max(rep_ms, min_reps * estimate) / 1e3
     while len(times) < min_reps or time.perf_counter() < deadline:
         reset_grads(grads)
         times.append(wall_ms(fn, device))
     return times
 
 
+def calls(estimate_ms: float, *, warmup_ms: float, rep_ms: float, min_reps: int) -> tuple[int, int]:
+    """(warm-up calls, timed repetitions) samples makes on a GPU after its first call, which took estimate_ms."""
+    estimate = max(estimate_ms, 1e-3)
+    return max(1, round(warmup_ms / estimate)), max(min_reps, round(rep_ms / estimate))
+
+
+def round_share(r: int, rounds: int, *, warmup_ms: float, rep_ms: float, min_reps: int) -> dict:
+    """What round r of `rounds` (see turns) is given: the warm-up in the first round only, rep_ms and min_reps
+    shared out over the rounds."""
+    return {"warmup_ms": warmup_ms if r == 0 else 0.0, "rep_ms": rep_ms / rounds,
+            "min_reps": math.ceil(min_reps / rounds)}
+
+
 def round_samples(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, r: int, rounds: int, *,
                   warmup_ms: float, rep_ms: float, min_reps: int = 5, flush: bool = True) -> list[float]:
-    """samples for round r of `rounds` (see turns): the warm-up in the first round only, rep_ms and min_reps shared
-    out over the rounds."""
-    return samples(fn, grads, device, warmup_ms=warmup_ms if r == 0 else 0.0, rep_ms=rep_ms / rounds,
-                   min_reps=math.ceil(min_reps / rounds), flush=flush)
+    """samples for round r of `rounds`, given its round_share."""
+    return samples(fn, grads, device, flush=flush,
+                   **round_share(r, rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps))
+
+
+def rounds_calls(ms: float, rounds: int, *, warmup_ms: float, rep_ms: float, min_reps: int) -> int:
+    """Calls round_samples makes on a GPU over all `rounds` rounds of a callable taking `ms` a call."""
+    return sum(1 + sum(calls(ms, **round_share(r, rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps)))
+               for r in range(rounds))
 
 
 def turns(items: list, rounds: int) -> Iterator[tuple[int, object]]:

@@ -149,6 +149,29 @@ def test_float64_truth_checks_every_provider_against_the_formula_in_float64(tmp_
     assert torch_rows and all(r["err_out"] == "" and "float64" not in r["note"] for r in torch_rows), torch_rows
 
 
+def test_a_step_takes_the_input_sets_in_turn_and_the_rounds_calls_are_counted():
+    from liger_dispatch import timing
+
+    seen = []
+    leaves = [torch.tensor([float(i)], requires_grad=True) for i in range(3)]
+    sets = [timing.Inputs((t,), {}, [t]) for t in leaves]
+
+    def fn(t):
+        seen.append(t.item())
+        return (2 * t).sum()
+
+    step = timing.step(fn, sets)
+    for _ in range(5):
+        step()
+    assert seen == [0.0, 1.0, 2.0, 0.0, 1.0]
+    assert all(t.grad is not None for t in leaves)
+    # 4 ms a call, 25 ms of warm-up, 100 ms of repetitions over 5 rounds: each round an estimate and 5 repetitions,
+    # the first also round(25 / 4) = 6 warm-up calls, the others one
+    assert timing.calls(4.0, warmup_ms=25.0, rep_ms=20.0, min_reps=1) == (6, 5)
+    assert timing.rounds_calls(4.0, 5, warmup_ms=25.0, rep_ms=100.0, min_reps=5) == (1 + 6 + 5) + 4 * (1 + 1 + 5)
+    assert timing.input_copies(10 * 2**20, 50 * 2**20) == 8 and timing.input_copies(2**30, 50 * 2**20) == 1
+
+
 def test_rounds_time_the_providers_in_turn_with_the_order_rotated():
     """--rounds: every provider is timed once a round, a round's first provider moving on by one, and each row's
     timing pools its samples over all rounds."""

@@ -12,7 +12,7 @@ import torch
 
 import liger_dispatch as ld
 from liger_dispatch.tools import cli
-from liger_dispatch import dispatch, settings
+from liger_dispatch import dispatch, settings, timing
 from liger_dispatch.core import selection
 from liger_dispatch.tuning import tune, tuned
 from liger_dispatch.registry import cross_entropy
@@ -193,16 +193,31 @@ def test_tune_whose_every_backend_fails_writes_no_table(isolated_table, tmp_path
     assert not out.exists()
 
 
+def test_tune_times_as_the_harness_does(table, capsys):
+    """tune and the benchmark harness share their timing: the same defaults (warm-up, repetitions' time, rounds),
+    the same step, and input copies rotated where one set would fit in L2 (as here: a tiny point on the CPU)."""
+    from benchmarks import run as harness
+
+    ours, theirs = tune_args(), harness.parse_args([])
+    assert (ours.warmup_ms, ours.rep_ms, ours.rounds) == (theirs.warmup_ms, theirs.rep_ms, theirs.rounds) == (
+        timing.WARMUP_MS, timing.REP_MS, timing.ROUNDS)
+    point = next(cross_entropy.tune_points(8, H, V, torch.float32, torch.device("meta"), None))
+    copies = timing.input_copies(point.inputs.nbytes(), timing.l2_bytes(torch.device("cpu")))
+    assert copies > 1
+    assert tune.run(tune_args("--out", str(table)), "cpu", torch.float32, interpreted=True) == 0
+    assert f"(inputs rotated over {copies} sets)" in capsys.readouterr().out
+
+
 def test_tune_stops_before_a_backend_the_budget_does_not_reach(tmp_path, capsys):
     """The budget is checked before each backend's measurement, from the same backend's last one at a smaller
     point: a point the budget cannot finish gets no entry (and no point runs past the budget)."""
     out = tmp_path / "table.json"
-    budget = tune.Budget(0.0, reps=1, warmup_ms=0.0)
+    budget = tune.Budget(0.0, reps=1, warmup_ms=0.0, rep_ms=0.0, rounds=1)
     point = next(cross_entropy.tune_points(8, H, V, torch.float32, torch.device("cpu"), None))
     assert budget.predict_s(point, "triton") == 0.0  # nothing measured yet
     budget.record(point, "triton", 10.0)
     assert budget.predict_s(point, "triton") == pytest.approx(10.0 * 4 / 1e3)  # check, estimate, warm-up, 1 rep
-    assert tune.measure(point, ["triton"], torch.float32, torch.device("cpu"), budget, print) is None
+    assert tune.measure([point], ["triton"], torch.float32, torch.device("cpu"), budget, print) is None
     assert "not reached" in capsys.readouterr().out
     assert tune.run(tune_args("--budget-s", "0", "--out", str(out)), "cpu", torch.float32, interpreted=True) != 0
     assert not out.exists()

@@ -5,12 +5,14 @@ the table that auto selection reads (tuned.py).
     LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuning/tables/)
 
 A point is one op at one shape, in the bucket tuned.bucket_of gives its call. Each backend is measured through
-`dispatch.op(op, backend=b)` with liger_dispatch.timing, as the benchmark harness measures a provider: one fwd+bwd
-call (also the compiling one) whose outputs and gradients are compared with the reference's where the reference's
-logits fit (points.CHECK_LOGITS; a backend that disagrees is reported and left out), then the median of at least
---reps timed fwd+bwd repetitions. A backend whose capability or shape predicate turns the point down is not
-timed, nor is the reference: auto selection uses it only as the fallback. An existing table at --out made with
-the same key keeps its other entries, and the table lists the runs written into it before ("earlier").
+`dispatch.op(op, backend=b)` with liger_dispatch.timing, as the benchmark harness measures a provider, through the
+same functions with the same defaults: one fwd+bwd call (also the compiling one) whose outputs and gradients are
+compared with the reference's where the reference's logits fit (points.CHECK_LOGITS; a backend that disagrees is
+reported and left out); then the backends of a point in turn over --rounds, at least --reps and --rep-ms of fwd+bwd
+repetitions after --warmup-ms, L2 flushed before each, the inputs rotated over copies where one set would fit in
+L2; the median. A backend whose capability or shape predicate turns the point down is not timed, nor is the
+reference: auto selection uses it only as the fallback. An existing table at --out made with the same key keeps
+its other entries, and the table lists the runs written into it before ("earlier").
 
 Only on a GPU: on the CPU the backends are the reference and the Triton and Helion interpreters, whose times say
 nothing about any kernel, so `tune` says so and exits 1 at once. It exits 1 without writing a table, too, when
@@ -28,7 +30,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import sys
 import time
 import warnings
@@ -86,10 +87,12 @@ def backends_for(op: str, device: torch.device, dtype: torch.dtype, asked: Optio
 
 
 class Budget:
-    """The run's deadline, and the last per-call time of each (op, backend), to predict its next measurement."""
+    """The run's deadline, its timing options, and the last per-call time of each (op, backend), to predict its
+    next measurement."""
 
-    def __init__(self, seconds: float, reps: int, warmup_ms: float, rounds: int = 1):
-        self.seconds, self.reps, self.warmup_ms, self.rounds = seconds, reps, warmup_ms, rounds
+    def __init__(self, seconds: float, reps: int, *, warmup_ms: float = timing.WARMUP_MS,
+                 rep_ms: float = timing.REP_MS, rounds: int = timing.ROUNDS):
+        self.seconds, self.reps, self.warmup_ms, self.rep_ms, self.rounds = seconds, reps, warmup_ms, rep_ms, rounds
         self.deadline = time.monotonic() + seconds
         self._per_call: dict[tuple[str, str], tuple[int, float]] = {}  # (op, backend) -> (bytes, ms)
 
@@ -103,10 +106,10 @@ class Budget:
             return 0.0
         nbytes, ms = last
         ms *= point.inputs.nbytes() / max(nbytes, 1)
-        # the reference: its one checking call; a backend: check, an estimate and a warm-up call each round, the
-        # rest of --warmup-ms in the first, repetitions
-        warmup = max(1, math.ceil(self.warmup_ms / max(ms, 1e-3)))
-        calls = 1 if backend == REFERENCE else 2 * self.rounds + warmup + self.reps
+        if backend == REFERENCE:  # its one checking call
+            return ms / 1e3
+        calls = 1 + timing.rounds_calls(ms, self.rounds, warmup_ms=self.warmup_ms, rep_ms=self.rep_ms,
+                                        min_reps=self.reps)  # the checking call, then the rounds
         return ms * calls / 1e3
 
     def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
@@ -123,11 +126,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch.device, budget: Budget,
+def measure(sets: Sequence[Point], backends: list[str], dtype: torch.dtype, device: torch.device, budget: Budget,
             log) -> Optional[dict[str, float]]:
-    """{backend: ms} of the backends that serve the point and agree with the reference; None when the budget
-    does not reach every backend (no entry is better than one missing a backend)."""
-    inputs = point.inputs
+    """{backend: ms} of the backends that serve the point and agree with the reference, timed as the benchmark
+    harness times a row: in turn over the rounds, each repetition on the next of `sets` (copies of one point, so
+    that its inputs are not in L2 from the last call); None when the budget does not reach every backend (no
+    entry is better than one missing a backend)."""
+    point, inputs = sets[0], sets[0].inputs
     why = budget.short([point], [REFERENCE, *backends])
     if why:
         log(f"    not reached: {why}")
@@ -162,13 +167,14 @@ def measure(point: Point, backends: list[str], dtype: torch.dtype, device: torch
             log(f"    {backend}: MISMATCH with the reference (relative error: outputs {errors[0]:.2e}, "
                 f"gradients {errors[1]:.2e}); not timed")
             continue
-        steps[backend] = lambda handle=handle: timing.backward(timing.forward(handle, inputs), inputs)
+        steps[backend] = timing.step(handle, [p.inputs for p in sets])
+    leaves = [leaf for p in sets for leaf in p.inputs.leaves]
     samples: dict[str, list[float]] = {}
     timed = list(steps)
     for r, backend in timing.turns(timed, budget.rounds):
         try:
             samples.setdefault(backend, []).extend(timing.round_samples(
-                steps[backend], inputs.leaves, device, r, budget.rounds, warmup_ms=budget.warmup_ms, rep_ms=0.0,
+                steps[backend], leaves, device, r, budget.rounds, warmup_ms=budget.warmup_ms, rep_ms=budget.rep_ms,
                 min_reps=budget.reps))
         except Exception as exc:
             log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
@@ -220,17 +226,18 @@ def tune_group(make: Callable[[torch.device], Iterator[Point]], usable: list[str
     if why:
         print(f"  {sized[0].op} {sized[0].shape}: not reached: {why}")
         return len(sized)
+    copies = timing.input_copies(max(p.inputs.nbytes() for p in sized), timing.l2_bytes(device))
     left = 0
     try:
-        for point in make(device):
-            print(f"  {point.describe()}")
+        for sets in zip(*(make(device) for _ in range(copies))):  # each point `copies` times, made alike
+            print(f"  {sets[0].describe()}" + (f" (inputs rotated over {copies} sets)" if copies > 1 else ""))
             for backend, reason in unavailable.items():
                 print(f"    {backend}: NOT AVAILABLE here ({reason}); the entry will not order calls where it is")
-            times = measure(point, usable, dtype, device, budget, print)
+            times = measure(sets, usable, dtype, device, budget, print)
             left += times is None
             if times:
-                entries.append(entry(point, dtype, times, unavailable))
-            point = None
+                entries.append(entry(sets[0], dtype, times, unavailable))
+            sets = None
     except Exception as exc:  # making the inputs ran out of memory, say
         print(f"  {sized[0].op}: FAILED ({_describe(exc)})")
     gc.collect()
@@ -264,7 +271,7 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         if not usable:
             print(f"  {op}: not tuned: no backend but the reference serves here "
                   f"({', '.join(f'{b}: {why}' for b, why in others.items())})")
-    budget = Budget(args.budget_s, args.reps, args.warmup_ms, args.rounds)
+    budget = Budget(args.budget_s, args.reps, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, rounds=args.rounds)
     entries, left = [], 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # a backend that falls back is reported, not timed
@@ -297,9 +304,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*flags, **options)
     parser.add_argument("--backends", nargs="+", help="time only these (default: every backend that serves here)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions a backend and point, at least (median)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rep-ms", type=float, default=timing.REP_MS,
+                        help="timed repetitions' total time a backend and point, at least (the harness's default)")
+    parser.add_argument("--rounds", type=int, default=timing.ROUNDS,
                         help="time the backends of a point in turn this many times over, the repetitions shared out")
-    parser.add_argument("--warmup-ms", type=float, default=0.0,
+    parser.add_argument("--warmup-ms", type=float, default=timing.WARMUP_MS,
                         help="untimed calls after the checking one and bench's estimate, in ms (at least one call)")
     parser.add_argument("--budget-s", type=float, default=170.0,
                         help="the run's time: no point or backend starts that is predicted to end after it")
