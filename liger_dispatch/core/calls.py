@@ -77,9 +77,8 @@ class Plan:
 
     __slots__ = ("fn", "fallback", "launch", "backend", "checks")
 
-    def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str,
-                 launch: Optional[Callable] = None):
-        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, launch
+    def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str):
+        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, None  # launch: torch_ops.plan's
         self.checks: Optional[Kernels] = Kernels()
 
 
