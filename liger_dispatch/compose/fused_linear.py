@@ -96,13 +96,9 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
-               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None,
-               kept: Optional[torch.Tensor] = None):
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
-    gradient and returns the per-row loss (or None: a backward pass has none); `grad_scale` (0-d or [N], on the
-    device) weights the rows.
-    kept: the logits of the first kept.shape[0] rows, made before (an op whose backward runs this loop kept them
-    from its forward): that chunk skips its GEMM, and its buffer serves the other chunks when it is large enough.
+    gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
     row_bound: a bound of each row's gradient L1 norm (the op family's grad_bound), asked for fp16 inputs only.
     extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
     vocab_parallel: the VocabShard of a vocab-parallel call, or None.
@@ -117,24 +113,16 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         accum_dtype = torch.float32
     widest = vocab if vocab_parallel is None else vocab_parallel.widest
     rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
-    done = 0 if kept is None else kept.shape[0]  # rows whose logits are there already
-    reuse = kept is not None and done >= min(rows, n - done)
-    buffer = kept if reuse else torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
+    buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
     db = torch.zeros(vocab, dtype=grad_bounds.wide(x), device=x.device) if want_db else None
     losses = []
-    bounds = [(0, done)] if done else []
-    for start, end in bounds + [(start, min(start + rows, n)) for start in range(done, n, rows)]:
-        x_c = x[start:end]
-        if start < done:
-            logits = kept
-        else:
-            logits = buffer[: end - start]
-            linear_into(x_c, weight, bias, logits)
-        chunk_rows_loss = chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale)
-        if chunk_rows_loss is not None:
-            losses.append(chunk_rows_loss)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        x_c, logits = x[start:end], buffer[: end - start]
+        linear_into(x_c, weight, bias, logits)
+        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
         if dx is not None:
             torch.mm(logits, weight, out=dx[start:end])
         if dw is not None:

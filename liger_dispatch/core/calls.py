@@ -72,14 +72,13 @@ class Plan:
     """What the calls of one signature run: `fallback()` (the fallback's warning, or None when the selected
     implementation is the one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for
     a handle's eager call, `launch(a, args, kwargs)`: fn under the autograd.Function that computes the gradients
-    the signature asks for (torch_ops.py). `checks`: the machinery kernels its value checks run (`value_checks`),
+    the signature asks for (torch_ops.py). `checks`: the machinery kernels its value checks run (`checked`),
     None once its first call's checks ran none."""
 
     __slots__ = ("fn", "fallback", "launch", "backend", "checks")
 
-    def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str,
-                 launch: Optional[Callable] = None):
-        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, launch
+    def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str):
+        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, None  # launch: torch_ops.plan's
         self.checks: Optional[Kernels] = Kernels()
 
 
@@ -164,19 +163,21 @@ def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable
 
 
 def _checked(spec, plan: Plan, args: tuple, kwargs: dict) -> None:
-    """What every call of a kernel-level op runs, its plan remembered or not: its fallback's warning (or strict
-    error), then its value checks."""
-    if plan.fallback is not None:
-        plan.fallback()
-    if spec.value_check is not None:
-        value_checks(spec, plan, spec.schema.bind(args, kwargs))
+    """`checked` for a call of a kernel-level op: its arguments bound only for a value check."""
+    checked(spec, plan, None if spec.value_check is None else spec.schema.bind(args, kwargs))
 
 
 _checking = threading.local()  # .at: [the Kernels of the plan whose value checks run now on this thread, places used]
 
 
-def value_checks(spec, plan: Plan, a) -> None:
-    """spec's value checks of a call of plan's signature; the machinery kernels they run (`machinery`) are plan's."""
+def checked(spec, plan: Plan, a) -> None:
+    """What every call of plan's signature runs, its plan remembered or not: its fallback's warning (or strict
+    error), then spec's value checks of its bound arguments `a` (the machinery kernels they run, `machinery`, are
+    plan's)."""
+    if plan.fallback is not None:
+        plan.fallback()
+    if spec.value_check is None:
+        return
     kernels = plan.checks
     if kernels is None:
         spec.value_check(a)

@@ -51,7 +51,8 @@ class OpSchema:
         parsed = torch._C.parse_schema(text)
         self.text = text
         self.name = parsed.name
-        self.params = tuple(_param(a) for a in parsed.arguments)
+        self.params = tuple(Param(a.name, str(a.type), a.kwarg_only,
+                                  a.default_value if a.has_default_value() else _EMPTY) for a in parsed.arguments)
         self.names = tuple(p.name for p in self.params)
         self.positional = tuple(p.name for p in self.params if not p.keyword_only)
         self.defaults = {p.name: p.default for p in self.params if p.default is not _EMPTY}
@@ -121,11 +122,6 @@ class OpSchema:
     def describe(self) -> str:
         """The signature as a reader wants it: `(logits, target, *, grad_scale=None, ...)`."""
         return str(self.signature)
-
-
-def _param(arg) -> Param:
-    default = arg.default_value if arg.has_default_value() else _EMPTY
-    return Param(arg.name, str(arg.type), arg.kwarg_only, default)
 
 
 def _kind(p: inspect.Parameter) -> str:

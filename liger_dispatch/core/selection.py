@@ -86,11 +86,6 @@ def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[to
     return device or torch.device("cpu"), tuple(dtypes)
 
 
-def _floating(dtypes: tuple) -> tuple:
-    """The distinct floating-point dtypes: what a Capability's dtypes are checked against."""
-    return tuple(dict.fromkeys(d for d in dtypes if d.is_floating_point))
-
-
 @dataclass(frozen=True)
 class Rejection:
     backend: str
@@ -120,10 +115,6 @@ def check_known(names: Sequence[str], source: str) -> None:
                 f"unknown backend '{name}' (from {source}); registered backends: {', '.join(known)}")
 
 
-def _unreachable(device: torch.device) -> dict[str, str]:
-    return {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
-
-
 def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple, tuned_key,
             preferences_apply: bool) -> Resolution:
     """Everything that depends only on the call's signature: the statically capable implementations in the order
@@ -132,7 +123,7 @@ def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tupl
     source, requested = preference(op, pinned) if preferences_apply else ("auto", ())
     check_known(requested, source)
     settings.check_all()
-    unreachable = _unreachable(device)
+    unreachable = {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
     reachable = [b for b in TABLE.declaring_backends(op) if b not in unreachable]
     TABLE.discover(op, reachable)  # imports backend modules, which register: TABLE.version moves
     version = TABLE.version
@@ -228,7 +219,7 @@ def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device:
     call = args is not None
     if call:
         device, all_dtypes = call_signature(args, kwargs)
-        dtypes = _floating(all_dtypes)
+        dtypes = tuple(dict.fromkeys(d for d in all_dtypes if d.is_floating_point))  # what capabilities check
         tuned_key = None if (preferences_apply and any(preferences(op, pinned))) else tuned.lookup_key(
             op, device, args, kwargs)
     else:

@@ -29,9 +29,8 @@ import torch
 from torch._library.utils import fill_defaults
 
 import liger_dispatch.registry  # noqa: F401  (declares the ops defined below)
-from liger_dispatch.core import selection
 from liger_dispatch.compose import vocab_parallel
-from liger_dispatch.core import calls, results
+from liger_dispatch.core import calls, results, selection
 from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
@@ -183,14 +182,6 @@ def _apply(function, head: tuple, tensors: tuple):
 
 
 # -- eager ----------------------------------------------------------------------------------------------------------
-def _checked(spec: OpSpec, plan: Plan, a: Args) -> None:
-    """What every call runs, remembered or not: its fallback's warning (or error), then the op's value checks."""
-    if plan.fallback is not None:
-        plan.fallback()
-    if spec.value_check is not None:
-        calls.value_checks(spec, plan, a)
-
-
 def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
     """Selection for a call: what serves it (the vocab-parallel driver on the selected implementation for a call
     with a process_group) and its fallback warning or None."""
@@ -242,9 +233,9 @@ def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs
     if plan is None:
         plan = _plan(spec, pinned, a, args, kwargs)
         calls.remember(call_key, plan, getattr(a, "process_group", None))
-        _checked(spec, plan, a)
+        calls.checked(spec, plan, a)
         return _checking(spec, plan.backend, plan.fn)
-    _checked(spec, plan, a)
+    calls.checked(spec, plan, a)
     return plan.fn
 
 
@@ -252,7 +243,7 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
     """The eager path's first half: select and check values; what calls of this one's signature run (the first
     one with its results checked)."""
     made = _plan(spec, pinned, a, args, kwargs)
-    _checked(spec, made, a)
+    calls.checked(spec, made, a)
     scales = calls.Kernels()  # the backward's, shared by the first call and the later ones
     launch = _launcher(spec, made.fn, a, scales)
     first = _launcher(spec, _checking(spec, made.backend, made.fn), a, scales)
@@ -267,7 +258,7 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
 
 def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
     """A call of a signature planned before: its fallback warning and value checks, then the plan."""
-    _checked(spec, plan, a)
+    calls.checked(spec, plan, a)
     return plan.launch(a, args, kwargs)
 
 
@@ -279,7 +270,7 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Cal
     need = _needs(spec, a)
     if not _grads_in_forward(spec):
         return _with_backward(spec, fn, a, any(need))
-    outputs = _returns(spec.schema_text)
+    outputs = spec.schema.returns
     own_outputs = _own_outputs(outputs)
     if not any(need):
         return lambda a, args, kwargs: own_outputs(fn(*args, **kwargs))
@@ -313,7 +304,7 @@ def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable
     """launch for an op whose implementation has a backward of its own: its options, when no tensor is
     among them, are the same in every call of the signature, so they are read once."""
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
-    outputs = _returns(spec.schema_text)
+    outputs = spec.schema.returns
     where = _differentiable_places(spec)
     once = _overwrites_saved(spec)
     fixed = spec.schema.call_args(a)[1]
@@ -349,16 +340,12 @@ def _op_schema(name: str, positional: list[str], keyword: list[str], returns: st
     return f"{name}({', '.join(params)}) -> {returns}"
 
 
-def _extras(spec: OpSpec) -> tuple[list[str], list[str]]:
-    """The implementations' extra parameters as (tensor ones, the others): torch.library's autograd takes tensor
-    arguments only before the `*`."""
-    extra = [p.strip() for p in spec.impl_extra.split(",") if p.strip()]
-    return [p for p in extra if p.startswith("Tensor")], [p for p in extra if not p.startswith("Tensor")]
-
-
 def _torch_schema(spec: OpSpec, returns: Optional[str] = None) -> str:
+    """The op's schema, plus its implementations' extra parameters (the tensors among them before the `*`: torch's
+    autograd takes tensor arguments only there) and `str? backend=None`; with other returns if given."""
     positional, keyword, own_returns = _split(spec.schema_text)
-    tensors, others = _extras(spec)
+    extra = [p.strip() for p in spec.impl_extra.split(",") if p.strip()]
+    tensors, others = [p for p in extra if p.startswith("Tensor")], [p for p in extra if not p.startswith("Tensor")]
     return _op_schema(spec.name, [*positional, *tensors], [*keyword, *others, "str? backend=None"],
                       returns or own_returns)
 
@@ -390,35 +377,54 @@ def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
     return tuple(result)
 
 
-def _define_kernel(spec: OpSpec) -> None:
+def _tensors(count: int) -> str:
+    """A schema's returns: `count` tensors."""
+    return "(" + ", ".join(["Tensor"] * count) + ")"
+
+
+def _define(name: str, schema: str, impl: Callable, fake: Callable):
+    """torch.ops.liger_dispatch.<name>, with its implementation and fake; its default overload."""
+    _LIB.define(schema)
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.liger_dispatch, name).default
+
+
+def _run(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict, object]:
+    """A torch op's call of what serves it: (the op's bound arguments, their positional values, the extra keyword
+    values, what it returned)."""
+    a, pinned, extra = _bind(spec, args, kwargs)
+    positional, options = spec.schema.call_args(a)
+    return a, positional, extra, _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
+
+
+def _define_as_returned(spec: OpSpec, returns: Optional[str] = None):
+    """An op that returns what its implementation returns: a kernel-level op, or an op with a backward of its own
+    (its outputs, then what that backward needs: `returns`); its default overload."""
+
     def impl(*args, **kwargs):
-        a, pinned, _ = _bind(spec, args, kwargs)
-        positional, options = spec.schema.call_args(a)
-        out = _serving(spec, pinned, a, positional, options)(*positional, **options)
+        _, positional, _, out = _run(spec, args, kwargs)
         return _unaliased(out, positional) if isinstance(out, tuple) else out
 
     def fake(*args, **kwargs):
         return spec.fake(_bind(spec, args, kwargs)[0])
 
-    _LIB.define(_torch_schema(spec))
-    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
+    return _define(spec.name, _torch_schema(spec, returns), impl, fake)
 
 
 def _define_loss(spec: OpSpec) -> None:
     """A fused-linear loss: (its outputs, one gradient per differentiable input, or an empty tensor when not
     needed)."""
     count = len(spec.differentiable)
-    returned = _returns(spec.schema_text)
+    returned = spec.schema.returns
 
-    def outputs(a, need, results, grads):
-        return *results, *(g if g is not None and w else getattr(a, n).new_empty(0) if getattr(a, n) is not None
-                       else results[0].new_empty(0) for g, w, n in zip(grads, wanted_grads(need, count), spec.differentiable))
+    def outputs(a, need, results, grads):  # a gradient not asked for: an empty tensor (of its input, if given)
+        inputs = (getattr(a, n) for n in spec.differentiable)
+        return *results, *(g if g is not None and w else (t if t is not None else results[0]).new_empty(0)
+                           for g, w, t in zip(grads, wanted_grads(need, count), inputs))
 
     def impl(*args, **kwargs):
-        a, pinned, extra = _bind(spec, args, kwargs)
-        positional, options = spec.schema.call_args(a)
-        results = _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
+        a, positional, extra, results = _run(spec, args, kwargs)
         return _unaliased(outputs(a, extra.get("need_grads", ()), results[:returned], results[returned:]), positional)
 
     def fake(*args, **kwargs):
@@ -428,11 +434,7 @@ def _define_loss(spec: OpSpec) -> None:
         grads = [torch.empty_like(t, dtype=grad_dtype(t)) if w else None for w, t in zip(need, inputs)]
         return outputs(a, need, _as_tuple(spec.fake(a)), grads)
 
-    returns = "(" + ", ".join(["Tensor"] * (returned + count)) + ")"
-    _LIB.define(_torch_schema(spec, returns))
-    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
-    op = getattr(torch.ops.liger_dispatch, spec.name).default
+    op = _define(spec.name, _torch_schema(spec, _tensors(returned + count)), impl, fake)
     own = len(spec.schema.positional)
 
     def under_autograd(run, args, kwargs, tensors):
@@ -488,12 +490,6 @@ def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], 
     return grad.reshape(input.shape).to(input.dtype).contiguous()  # whatever the input's strides: the fake's
 
 
-def _returns(schema_text: str) -> int:
-    """How many tensors a schema returns."""
-    returns = schema_text.rpartition("->")[2].strip()
-    return returns.count("Tensor") if returns.startswith("(") else 1
-
-
 def _define_with_backward(spec: OpSpec) -> None:
     """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
     its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
@@ -501,26 +497,15 @@ def _define_with_backward(spec: OpSpec) -> None:
     `Tensor(a!)` is one the implementation's backward overwrites (so it runs once, in eager and compiled code)."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
-    outputs = _returns(spec.schema_text)
+    outputs = spec.schema.returns
     saved = [p.strip() for p in spec.saved.split(",")]
-
-    def impl(*args, **kwargs):
-        a, pinned, _ = _bind(spec, args, kwargs)
-        positional_args, options = spec.schema.call_args(a)
-        fn = _serving(spec, pinned, a, positional_args, options)
-        return _unaliased(fn(*positional_args, **options), positional_args)
-
-    def fake(*args, **kwargs):
-        return spec.fake(_bind(spec, args, kwargs)[0])
-
+    op = _define_as_returned(spec, _tensors(outputs + len(saved)))
     own_positional, keyword, _ = _split(spec.schema_text)
     own_positional = [p.partition("=")[0].strip() for p in own_positional]  # the backward's come before the saved
-    _LIB.define(_torch_schema(spec, "(" + ", ".join(["Tensor"] * (outputs + len(saved))) + ")"))
     grads = [f"Tensor? grad_{i}" for i in range(outputs)]
-    _LIB.define(_op_schema(backward_name, [*own_positional, *saved, *grads],
-                           [*keyword, "bool[] need_grads", "str? backend=None"],
-                           "(" + ", ".join(["Tensor"] * len(spec.differentiable)) + ")"))
-
+    backward_schema = _op_schema(backward_name, [*own_positional, *saved, *grads],
+                                 [*keyword, "bool[] need_grads", "str? backend=None"],
+                                 _tensors(len(spec.differentiable)))
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
     where = _differentiable_places(spec)
 
@@ -551,11 +536,7 @@ def _define_with_backward(spec: OpSpec) -> None:
         return tuple(args[0].new_empty(0) if args[i] is None or not w or k in views
                      else args[i].new_empty(args[i].shape) for k, (i, w) in enumerate(zip(where, need_grads)))
 
-    _LIB.impl(spec.name, impl, "CompositeExplicitAutograd")
-    _LIB.impl(backward_name, backward_impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{spec.name}", fake, lib=_LIB)
-    torch.library.register_fake(f"{NAMESPACE}::{backward_name}", backward_fake, lib=_LIB)
-    op, backward_op = (getattr(torch.ops.liger_dispatch, n).default for n in (spec.name, backward_name))
+    backward_op = _define(backward_name, backward_schema, backward_impl, backward_fake)
     once = _overwrites_saved(spec)
 
     def under_autograd(run, args, kwargs, tensors):
@@ -580,7 +561,7 @@ def define(spec: OpSpec) -> None:
         return
     _defined.add(spec.name)
     if spec.level == "kernel":
-        _define_kernel(spec)
+        _define_as_returned(spec)
     elif _grads_in_forward(spec):
         _define_loss(spec)
     else:
@@ -598,8 +579,8 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
         options["process_group"] = vocab_parallel.group_name(options["process_group"])
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
-        return _own_outputs(_returns(spec.schema_text))(op(*positional, **options, need_grads=need, backend=backend))
-    return op(*positional, **options, backend=backend)[:_returns(spec.schema_text)]
+        return _own_outputs(spec.schema.returns)(op(*positional, **options, need_grads=need, backend=backend))
+    return op(*positional, **options, backend=backend)[:spec.schema.returns]
 
 
 for _spec in (TABLE.spec(name) for name in TABLE.op_names()):

@@ -51,11 +51,6 @@ DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)
 MEMORY_FRACTION = 0.9  # of the free memory a point's inputs and gradients may take
 
 
-def tuned_ops() -> list[str]:
-    """The user-level ops whose families declare how to tune them (OpSpec.tuning), in the registry's order."""
-    return [name for name in TABLE.op_names("user") if TABLE.spec(name).tuning is not None]
-
-
 def _bytes(point: Point) -> int:
     """The point's inputs and the gradients its leaves receive."""
     return point.inputs.nbytes() + sum(t.numel() * t.element_size() for t in point.inputs.leaves)
@@ -294,7 +289,7 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    ops = tuned_ops()
+    ops = [name for name in TABLE.op_names("user") if TABLE.spec(name).tuning is not None]  # OpSpec.tuning declared
     parser.add_argument("--ops", nargs="+", default=ops, choices=ops)
     parser.add_argument("--n", nargs="+", type=int, default=list(DEFAULT_NS), help="rows of the LM-head ops")
     parser.add_argument("--hidden", type=int, default=4096, help="H of the LM-head ops (default: llama3's)")
