@@ -25,7 +25,7 @@ class Inputs:
     N: int
     H: int
     V: int
-    mhc_shapes: tuple
+    real: bool = False  # the sizes of a GPU's cases (a family with shapes of its own picks them by this)
 
     def randn(self, *shape, dtype=None, scale=1.0):
         dtype = self.dtype if dtype is None else dtype

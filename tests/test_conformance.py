@@ -69,7 +69,7 @@ def labels(n, vocab, ignored=(), all_ignored=False):
 
 
 def kl_target(n, vocab, dtype, log_target, zeros):
-    return testing.Inputs(torch.device(DEVICE), dtype, n, H, vocab, ()).kl_target(n, log_target, zeros, dtype)
+    return testing.Inputs(torch.device(DEVICE), dtype, n, H, vocab).kl_target(n, log_target, zeros, dtype)
 
 
 @pytest.mark.parametrize("rows", ["1", "3", "64"])

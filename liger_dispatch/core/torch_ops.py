@@ -363,7 +363,7 @@ def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...
 def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
     """The outputs, each one that shares memory with an input or an earlier output, or starts off a 16-byte boundary,
     cloned: a torch op's outputs may alias neither, and inductor asserts that an op's outputs are aligned (a backend
-    may hand out views into one buffer its kernel fills at once, as the mHC backward's grad_b and alphas)."""
+    may hand out views into one buffer its kernel fills at once)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     result = []
     for out in outputs:
