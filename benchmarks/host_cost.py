@@ -82,26 +82,29 @@ def _like(spec) -> inspect.Signature:
 
 def register_noop(op: str, device: torch.device) -> str:
     """A backend of `op` that computes nothing: a preallocated loss, the op's other outputs (statistics) and for each
-    gradient asked for a preallocated tensor of its shape (the op's contract, checked on a signature's first call);
-    last in priority, but auto tries the reference after every other backend: where only the reference serves (the
-    CPU) auto picks it, so the auto rows run before it is registered."""
+    gradient asked for a preallocated tensor of its shape (the op's contract, checked on a signature's first call),
+    made on the first call of each signature and returned again after it, so the row is dispatch alone; last in
+    priority, but auto tries the reference after every other backend: where only the reference serves (the CPU)
+    auto picks it, so the auto rows run before it is registered."""
     spec = TABLE.spec(op)
     loss = torch.zeros((), device=device)
-    made: dict = {}  # (shape, dtype) -> a buffer
+    made: dict = {}  # the call's signature -> what it returns
 
-    def buffer(shape, dtype):
-        key = (tuple(shape), dtype)
-        if key not in made:
-            made[key] = torch.empty(shape, dtype=dtype, device=device)
-        return made[key]
-
-    def noop(*args, need_grads=(), **kwargs):
+    def returned(args, need_grads, kwargs):
         a = spec.schema.bind(args, {k: v for k, v in kwargs.items() if k not in spec.extra.names})
         need = wanted_grads(need_grads, len(spec.differentiable))
         tensors = [getattr(a, n) for n in spec.differentiable]
         statistics = spec.fake(a)[1:] if spec.schema.returns > 1 else ()
-        return (loss, *(buffer(t.shape, t.dtype) for t in statistics),
-                *(buffer(t.shape, grad_dtype(t)) if w and t is not None else None for w, t in zip(need, tensors)))
+        return (loss, *(torch.empty_like(t, device=device) for t in statistics),
+                *(torch.empty(t.shape, dtype=grad_dtype(t), device=device) if w and t is not None else None
+                  for w, t in zip(need, tensors)))
+
+    def noop(*args, need_grads=(), **kwargs):
+        key = (tuple((a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args), tuple(need_grads),
+               tuple(kwargs.items()))
+        if key not in made:
+            made[key] = returned(args, need_grads, kwargs)
+        return made[key]
 
     noop.__signature__ = _like(spec)
     ld.register_backend(op, backend="noop", priority=1 << 20, capability=ld.Capability(devices=(device.type,)),
