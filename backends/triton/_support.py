@@ -186,8 +186,9 @@ def direct_target(*tensors):
             bits |= t.data_ptr()
     if bits & 15 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return None
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
+    active = driver.active
+    device = active.get_current_device()
+    return device, active.get_current_stream(device)
 
 
 class Launch:

@@ -101,11 +101,17 @@ def launch_rows(target, ignore_index, scale):
     return out
 
 
+def _flat(target):
+    """target as a 1-D contiguous tensor (itself when it is one: the per-call path). contiguous: a strided view (a
+    column of a label matrix) flattens to a strided view, which the kernels would read as contiguous memory."""
+    if target.dim() == 1 and target.is_contiguous():
+        return target
+    return target.reshape(-1).contiguous()
+
+
 @register_backend("check_class_indices", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
 def check_class_indices(target, *, vocab, ignore_index, name="target"):
-    # contiguous: a strided view (a column of a label matrix) flattens to a strided view, which the kernel would
-    # read as contiguous memory
-    launch_check(target.reshape(-1).contiguous(), vocab, ignore_index, name)
+    launch_check(_flat(target), vocab, ignore_index, name)
 
 
 @register_backend("scale_grad", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
@@ -115,4 +121,4 @@ def scale_grad(grad, grad_loss):
 
 @register_backend("valid_rows", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
 def valid_rows(target, *, ignore_index, scale=1.0):
-    return launch_rows(target.reshape(-1).contiguous(), ignore_index, float(scale))  # contiguous: see above
+    return launch_rows(_flat(target), ignore_index, float(scale))

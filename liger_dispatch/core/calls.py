@@ -64,7 +64,8 @@ class Kernels:
             # the versions after selecting: its discovery may have imported (and registered) backends
             made = self.made[place] = (spec, plan, TABLE.version, selection.generation)
         plan = made[1]
-        _checked(spec, plan, args, kwargs)
+        if plan.fallback is not None or spec.value_check is not None:
+            _checked(spec, plan, args, kwargs)
         return plan.fn(*args, **kwargs)
 
 
