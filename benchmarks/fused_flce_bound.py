@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks import env as environment
-from benchmarks import measure, shapes, workloads
+from benchmarks import clocks, measure, shapes, workloads
 from benchmarks.providers import Provider
 from liger_dispatch import timing
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     if not console.is_terminal:  # logs of a device run: no wrapping at 80 columns
         console.width = 200
-    tflops = timing.matmul_tflops(device, args.rep_ms)
+    tflops = clocks.matmul_tflops(device, args.rep_ms)
     columns = env.columns()
     header = " | ".join([columns.pop("date"), columns.pop("gpu"), f"`{columns.pop('command')}`",
                          *(f"{k} {v}" for k, v in columns.items()), f"matmul {tflops:.3g} TFLOP/s (measured now)"])

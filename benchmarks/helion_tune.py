@@ -9,7 +9,7 @@ start-up on an H200); jobs the budget does not reach keep their current entries.
 
 Loss kernels are timed as the harness times them (liger_dispatch.timing.bench: CUDA events, L2 flushed, median);
 the mHC kernels run for microseconds, where a Python launch would dominate, so they are timed as one CUDA graph's
-replays back to back (liger_dispatch.timing.graph_us).
+replays back to back (benchmarks.clocks.graph_us).
 
     python -m benchmarks.helion_tune                    # tune everything (bf16), write the tables
     python -m benchmarks.helion_tune --only ce_loss_and_grad --dtypes bf16,fp32 --budget 60
@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks import clocks
 from benchmarks.shapes import DTYPES
 from liger_dispatch import timing
 from liger_dispatch.backends.helion import _support as hs
@@ -209,7 +210,7 @@ def _rel_err(got, want) -> float:
 
 def _bench(job: Job, fn) -> float:
     if job.graphs:  # per replay of the kernel captured in a CUDA graph, back to back
-        return timing.graph_us(fn, torch.device(DEVICE), GRAPH_REPLAYS) / 1e3
+        return clocks.graph_us(fn, torch.device(DEVICE), GRAPH_REPLAYS) / 1e3
     return timing.bench(fn, [], torch.device(DEVICE), warmup_ms=10.0, rep_ms=50.0).ms
 
 

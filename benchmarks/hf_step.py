@@ -36,6 +36,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from benchmarks import clocks
 from benchmarks import env as environment
 from liger_dispatch import timing
 
@@ -176,7 +177,7 @@ def measure(model, tokens, device: torch.device, args) -> Result:
     loss.backward()
     result = Result(loss.item(), model.lm_head.weight.grad.detach().clone())
     result.step = timing.bench(step, params, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-    result.peak_mb = timing.peak_mb(step, params, device)
+    result.peak_mb = clocks.peak_mb(step, params, device)
     for p in params:
         p.grad = None
     return result

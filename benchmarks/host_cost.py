@@ -50,9 +50,9 @@ import torch
 
 import liger_dispatch as ld
 from benchmarks import env as environment
-from benchmarks import mhc_kernels, workloads
+from benchmarks import clocks, mhc_kernels, workloads
 from benchmarks.shapes import LM_OPS, Case
-from liger_dispatch import dispatch, timing
+from liger_dispatch import dispatch
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.table import TABLE
 
@@ -69,7 +69,7 @@ TARGET_MHC_US = 100.0
 
 def gpu_us(fn: Callable, device: torch.device, calls: int = 5) -> tuple[Optional[float], Optional[float]]:
     """(kernels per call, their summed duration per call in us), from torch.profiler; (None, None) on the CPU."""
-    events = timing.kernels(fn, device, calls)
+    events = clocks.kernels(fn, device, calls)
     if events is None:
         return None, None
     return len(events) / calls, sum(us for _, us in events) / calls
@@ -175,14 +175,14 @@ def _loss_row(op: str, backend: str, case: Case, inputs: workloads.Inputs, devic
     direct()
     n_handle, gpu = gpu_us(through_handle, device)
     n_impl, _ = gpu_us(direct, device)
-    handle_us = timing.host_us(through_handle, device, calls)
-    step_us = timing.host_us(step, device, calls, inputs.leaves)
-    impl_us = timing.host_us(direct, device, calls)
+    handle_us = clocks.host_us(through_handle, device, calls)
+    step_us = clocks.host_us(step, device, calls, inputs.leaves)
+    impl_us = clocks.host_us(direct, device, calls)
     extra = handle_us - impl_us
     return {"op": op, "provider": backend, "handle us": _fmt(handle_us), "step us": _fmt(step_us),
             "impl us": _fmt(impl_us), "extra us": _fmt(extra),
-            "wall us": _fmt(timing.wall_us(through_handle, device, calls)),
-            "graph us": _fmt(timing.graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
+            "wall us": _fmt(clocks.wall_us(through_handle, device, calls)),
+            "graph us": _fmt(clocks.graph_us(through_handle, device, calls)), "gpu us": _fmt(gpu),
             "launches": f"{_fmt(n_handle, 0)} / {_fmt(n_impl, 0)}",
             "target": "meets" if extra <= TARGET_EXTRA_US else "misses"}
 
@@ -208,10 +208,10 @@ def mhc_rows(device: torch.device, points: tuple, calls: int, asked: Optional[li
 
             step()
             launches, gpu = gpu_us(step, device)
-            eager = timing.wall_us(step, device, calls)
-            graph = None if floor else timing.graph_us(step, device, calls)
+            eager = clocks.wall_us(step, device, calls)
+            graph = None if floor else clocks.graph_us(step, device, calls)
             verdict = "" if floor or gpu is None else "meets" if eager <= gpu + TARGET_MHC_US else "misses"
-            host = timing.host_us(step, device, calls)
+            host = clocks.host_us(step, device, calls)
             rows.append({"T x C": f"{t} x {c}", "provider": backend, "eager us": _fmt(eager),
                              "graph us": _fmt(graph), "gpu us": _fmt(gpu), "host us": _fmt(host),
                              "launches": _fmt(launches, 0), "target": verdict})
@@ -247,7 +247,7 @@ def tiny_rows(device: torch.device, calls: int, asked: Optional[list[str]]) -> l
 
         step()
         no_grad()
-        times = {"fwd+bwd us": timing.wall_us(step, device, calls), "no_grad us": timing.wall_us(no_grad, device, calls)}
+        times = {"fwd+bwd us": clocks.wall_us(step, device, calls), "no_grad us": clocks.wall_us(no_grad, device, calls)}
         base = base or times
         ratios = {k: v / base[k] for k, v in times.items()}
         rows.append({"provider": name, **{k: _fmt(v) for k, v in times.items()},

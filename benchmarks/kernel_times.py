@@ -3,7 +3,7 @@
     python -m benchmarks.run kernel-times --op fused_linear_logprobs --n 4096 --providers triton torch.compile
     python -m benchmarks.run kernel-times --op flce --shape tiny --n 16          # the CPU: says there is no profile
 
-A kernel's share is of the step's summed kernel time (torch.profiler, liger_dispatch.timing.kernels); the step is
+A kernel's share is of the step's summed kernel time (torch.profiler, benchmarks.clocks.kernels); the step is
 fwd+bwd on the harness's inputs (benchmarks/workloads.py), after two warm-up steps that compile and tune.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from benchmarks import providers, shapes, workloads
+from benchmarks import clocks, providers, shapes, workloads
 from liger_dispatch import timing
 
 PROG = "python -m benchmarks.run kernel-times"
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             for _ in range(2):
                 timing.reset_grads(inputs.leaves)
                 step()
-            rows = grouped(timing.kernels(step, device, grads=inputs.leaves))
+            rows = grouped(clocks.kernels(step, device, grads=inputs.leaves))
             total = sum(us for _, _, us in rows)
             print(f"\n{args.op} {case.describe()} {args.dtype} fwd+bwd {provider.name}: {total / 1e3:.3f} ms in "
                   f"{sum(c for _, c, _ in rows)} launches")

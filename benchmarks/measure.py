@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from benchmarks import shapes, workloads
+from benchmarks import clocks, shapes, workloads
 from benchmarks.peers import Unsupported
 from benchmarks.providers import EAGER, Provider, formula
 from benchmarks.shapes import Case
@@ -161,7 +161,7 @@ def measure_case(case: Case, providers: list[Provider], s: Settings, history: Hi
             times.setdefault(p.name, []).extend(timing.round_samples(
                 step, leaves, s.device, r, rounds, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms, flush=not s.warm))
             if last:
-                peak = timing.peak_mb(step, leaves, s.device)
+                peak = clocks.peak_mb(step, leaves, s.device)
                 outcome = Outcome(OK, timing.summarize(times[p.name]), peak, errors, list(note))
             else:
                 steps[p.name] = step

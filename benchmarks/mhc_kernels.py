@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from benchmarks import clocks
 import liger_dispatch as ld
 from liger_dispatch import dispatch, timing
 from liger_dispatch.backends.reference import mhc as reference_mhc
@@ -106,7 +107,7 @@ def check(mhc, x2, phi, bias, alphas, upstream, hc, dtype):
 def launches(fn, leaves, breakdown=False):
     """(number of CUDA kernels and memsets, their summed duration in us) of one call, gradients reset first."""
     fn()
-    kernels = timing.kernels(fn, torch.device(DEVICE), 1, leaves)
+    kernels = clocks.kernels(fn, torch.device(DEVICE), 1, leaves)
     if breakdown:
         print("    " + ", ".join(f"{name[:40]} {us:.1f}" for name, us in kernels))
     return len(kernels), sum(us for _, us in kernels)
@@ -190,7 +191,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    tbps = timing.copy_gbps(torch.device(DEVICE), REP_MS) / 1e3
+    tbps = clocks.copy_gbps(torch.device(DEVICE), REP_MS) / 1e3
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {tbps:.2f} TB/s  {args.dtype}  tmax={TMAX}")
     header = (f"  {'':14} {'time us':>9} {'gpu us':>8} {'host us':>8} {'launches':>8} {'floor us':>9} "
               f"{'time/floor':>10}")
@@ -241,7 +242,7 @@ def main(argv=None):
             us = timing.bench(fn, leaves, torch.device(DEVICE), warmup_ms=WARMUP_MS, rep_ms=REP_MS).ms * 1e3
             n_launch, gpu_us = launches(fn, leaves, args.breakdown and name in ("fwd", "bwd"))
             floor_us = floor / (tbps * 1e12) * 1e6
-            host_us = timing.host_us(fn, torch.device(DEVICE), 200, leaves)
+            host_us = clocks.host_us(fn, torch.device(DEVICE), 200, leaves)
             print(f"  {name:14} {us:9.1f} {gpu_us:8.1f} {host_us:8.1f} {n_launch:8d} {floor_us:9.1f} "
                   f"{us / floor_us:10.2f}")
         if args.sweep:

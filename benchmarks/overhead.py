@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks import clocks
 from benchmarks.measure import OK, Outcome
 from liger_dispatch import timing
 
@@ -23,8 +24,8 @@ _LOOP_S = 0.02
 
 def per_call_ns(fn: Callable, args: tuple, device: torch.device) -> timing.Timing:
     """ns per call (in the Timing's fields) over several loops of about _LOOP_S each."""
-    calls = max(1, int(_LOOP_S * 1e6 / timing.loop_us(fn, device, 200, args)))
-    return timing.summarize([timing.loop_us(fn, device, calls, args) * 1e3 for _ in range(_REPEATS)])
+    calls = max(1, int(_LOOP_S * 1e6 / clocks.loop_us(fn, device, 200, args)))
+    return timing.summarize([clocks.loop_us(fn, device, calls, args) * 1e3 for _ in range(_REPEATS)])
 
 
 def measure(device: torch.device) -> list[tuple[str, Outcome]]:

@@ -22,11 +22,11 @@ from typing import Callable
 import torch
 
 from benchmarks import env as environment
-from benchmarks import measure, peers, report, run, shapes, workloads
+from benchmarks import clocks, measure, peers, report, run, shapes, workloads
 from benchmarks.env import version
 from benchmarks.providers import COMPILED, EAGER, Provider, compiled_over_rows
 from benchmarks.shapes import Case
-from liger_dispatch import dispatch, timing
+from liger_dispatch import dispatch
 from liger_dispatch.integrations import rl
 from liger_dispatch.timing import Inputs
 
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> int:
     # Every loss at a size before the next size: a run cut short by its budget loses the largest sizes.
     plan = sorted(((case, loss) for loss in losses for case in _cases(args, device, loss)), key=lambda c: c[0].n)
     env = environment.collect(device, ["rl-losses", *argv])
-    tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
+    tflops, gbps = clocks.matmul_tflops(device, args.rep_ms), clocks.copy_gbps(device, args.rep_ms)
     print(f"{env.gpu} | driver {env.driver} | matmul {tflops:.0f} TFLOP/s (measured now)")
     settings, history = run.timing_settings(args, device, started), measure.History()
     chosen = {loss.name: providers(loss, tuple(args.providers)) for loss in losses}

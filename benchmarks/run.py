@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from benchmarks import env as environment
-from benchmarks import measure, overhead, providers, report, shapes, workloads
+from benchmarks import clocks, measure, overhead, providers, report, shapes, workloads
 from liger_dispatch import timing
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:  # logs of a device run: no wrapping at 80 columns
         console.width = 160
     console.print(f"{env.gpu} | driver {env.driver} | " + " | ".join(f"{k} {v}" for k, v in env.versions.items()))
-    tflops, gbps = timing.matmul_tflops(device, args.rep_ms), timing.copy_gbps(device, args.rep_ms)
+    tflops, gbps = clocks.matmul_tflops(device, args.rep_ms), clocks.copy_gbps(device, args.rep_ms)
     console.print(f"matmul {tflops:.0f} TFLOP/s, copy {gbps:.0f} GB/s (measured now)")
     settings = timing_settings(args, device, started, args.warm, torch.float64 if args.truth == "float64" else None)
     plan = _plan(args, device, console)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks import env, workloads
+from benchmarks import clocks, env, workloads
 from benchmarks.shapes import DTYPES, LM_OPS, Case
 from liger_dispatch import dispatch, timing
 from liger_dispatch.core.table import TABLE
@@ -98,7 +98,7 @@ def measure(op, backend, case, group, device, rep_ms):
     else:
         bench = lambda fn, leaves: _lockstep_ms(fn, leaves, device)  # noqa: E731
     single_ms, parallel_ms = bench(single, inputs.leaves), bench(parallel, mine_leaves)
-    peaks = timing.peak_mb(single, inputs.leaves, device), timing.peak_mb(parallel, mine_leaves, device)
+    peaks = clocks.peak_mb(single, inputs.leaves, device), clocks.peak_mb(parallel, mine_leaves, device)
     return dict(op=op, backend=backend, world=world, rank=rank, n=case.dim("N"), single_ms=single_ms,
                 parallel_ms=parallel_ms, single_mb=peaks[0], parallel_mb=peaks[1], errors=errors)
 

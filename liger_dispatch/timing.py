@@ -9,9 +9,8 @@ Median and p20/p80. On the CPU (the harness's and tuning's own tests): a host cl
 Agreement: the relative norm of the difference, per output and per gradient, the worst of each; NaN when an
 output is missing, misshapen or not finite, so it never passes a tolerance.
 
-Host clocks (perf_counter around the call, the stream synchronized before and after): what a call costs the CPU,
-and calls back to back (host- or GPU-bound, whichever binds); kernels per call from torch.profiler; a CUDA
-graph's replay time.
+The benchmarks' other clocks (host time, kernels per call, a CUDA graph's replay, memory, the GPU's rates) are
+theirs: benchmarks/clocks.py.
 """
 
 from __future__ import annotations
@@ -264,36 +263,7 @@ def summarize(values: Sequence[float]) -> Timing:
     return Timing(statistics.median(values), q[1], q[7])
 
 
-def peak_mb(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device) -> Optional[float]:
-    """Peak memory allocated during one call above what was allocated before it (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    reset_grads(grads)
-    synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
-
-def matmul_tflops(device: torch.device, rep_ms: float) -> float:
-    """bf16 GEMM rate (8192^3 on a GPU; fp32 1024^3 on the CPU, only so the harness runs there)."""
-    size, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
-    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
-    t = bench(lambda: a @ b, [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
-    return 2 * size**3 / (t.ms * 1e-3) / 1e12
-
-
-def copy_gbps(device: torch.device, rep_ms: float) -> float:
-    """Device-to-device copy bandwidth, bytes read plus written (1 GiB on a GPU, 64 MiB on the CPU)."""
-    nbytes = 2**30 if device.type == "cuda" else 2**26
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src), [], device, warmup_ms=rep_ms, rep_ms=rep_ms)
-    return 2 * nbytes / (t.ms * 1e-3) / 1e9
 
 
 def l2_bytes(device: torch.device) -> int:
@@ -318,58 +288,6 @@ def host_free_bytes() -> Optional[int]:
         return None
 
 
-# ---------------------------------------------------------------- host clocks
-
-
-def host_us(fn: Callable, device: torch.device, calls: int, grads: Sequence[torch.Tensor] = ()) -> float:
-    """Median host time of one call, the stream idle when it starts (nothing waits for room in the queue);
-    `grads` are reset before each call, outside the timed window."""
-    times = []
-    for _ in range(calls):
-        reset_grads(grads)
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    synchronize(device)
-    reset_grads(grads)
-    return statistics.median(times) * 1e6
-
-
-def loop_us(fn: Callable, device: torch.device, calls: int, args: tuple = ()) -> float:
-    """Per call of fn(*args), of `calls` calls back to back and one synchronization at each end."""
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-def wall_us(fn: Callable, device: torch.device, calls: int) -> float:
-    """The best of three loop_us: host- or GPU-bound, whichever binds."""
-    return min(loop_us(fn, device, calls) for _ in range(3))
-
-
-def kernels(fn: Callable, device: torch.device, calls: int = 1,
-            grads: Sequence[torch.Tensor] = ()) -> Optional[list[tuple[str, float]]]:
-    """(name, us) of every CUDA kernel and memset `calls` calls issue (torch.profiler), `grads` reset before each
-    call (autograd would otherwise add the new gradient into the old one); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            reset_grads(grads)
-            fn()
-        synchronize(device)
-    reset_grads(grads)
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def cuda_graph(fn: Callable, warmups: int = 3) -> tuple[torch.cuda.CUDAGraph, object]:
     """(fn captured in a CUDA graph, what the captured call returned); fn is first run `warmups` times on a side
     stream, outside the capture, as torch.cuda.graph asks (first-call planning, compilation, allocations)."""
@@ -383,11 +301,3 @@ def cuda_graph(fn: Callable, warmups: int = 3) -> tuple[torch.cuda.CUDAGraph, ob
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
-
-
-def graph_us(fn: Callable, device: torch.device, calls: int) -> Optional[float]:
-    """Per replay of fn captured in one CUDA graph (cuda_graph), replays back to back: the GPU's time for the call
-    with no host in the way; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return wall_us(cuda_graph(fn)[0].replay, device, calls)
