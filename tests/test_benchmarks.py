@@ -76,7 +76,7 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     each noop handle call's, then the tiny auto call's, which the noop backend (registered later) does not serve."""
     out = tmp_path / "host_cost.md"
     command = [sys.executable, "-m", "benchmarks.run", "host-cost", "--device", "cpu", "--quick", "--backends",
-               "reference", "--profile", "200", "--out", str(out)]
+               "reference", "--profile", "5000", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
@@ -87,7 +87,8 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     profiles = text.split("## Where a call's host time goes")[1]
     noop, tiny = profiles.split("### flce auto at")[0], profiles.split("### flce auto at")[1:]
     assert all(f"### {op}, 3 noop handle calls" in noop for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div"))
-    assert "dispatch.py" in noop and "noop" in noop  # every frame of the call is listed (200 of them)
+    assert "dispatch.py" in noop and "noop" in noop  # every frame of the call is listed (K = 5000: all of them,
+    # whichever backend auto picks for the tiny call; under an interpreter its frames are hundreds)
     assert len(tiny) == 2 and all("cross_entropy.py" in t and "noop" not in t for t in tiny)
 
 

@@ -11,7 +11,7 @@ buffer exists anywhere. Collectives of one call:
 
     vocab sizes (process_group= only; a DTensor's split is known)    1 all-gather of W int64, read on the host
     per chunk, the statistics (the op family's layout)               1 all-gather of [C, k] fp32 (and what the
-                                                                     family adds: one all-reduce of [C, 2] for JSD)
+                                                                     family adds: an all-reduce of its row sums)
     input gradient                                                   1 all-reduce SUM of dX [N, H]
     fp16 inputs only: the gradient buffers' scale                     1 all-reduce SUM of a [N] fp32 bound
 
@@ -160,7 +160,7 @@ class VocabShard:
         ranks of each slice's own bound ([N] fp32 for the N rows of x, one all-reduce). A slice's bound, computed from its own
         tensors, need not hold for the others: its lse bound misses the other slices' logits, its KL mass the
         other slices' target mass. The sum covers them: the KL gradient's L1 norm on a slice is at most
-        (total mass + slice mass) / T, and the CE / JSD bounds grow with each slice's logit bound and log of its
+        (total mass + slice mass) / T, and the log-softmax losses' bounds grow with each slice's logit bound and log of its
         width, whose sums exceed their maximum and log of the total width (slices of at least 2 columns)."""
         local = row_bound() if vocab else 0.0
         total = torch.as_tensor(local, dtype=torch.float32, device=x.device).broadcast_to(x.shape[:1]).contiguous()
