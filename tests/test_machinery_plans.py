@@ -111,6 +111,32 @@ def test_the_backward_scale_is_selected_once_per_signature(isolated_table, selec
     assert seen == [args["input"].shape, args["weight"].shape] and selected.count("scale_grad") == 4
 
 
+def test_a_compositions_mean_count_is_kept_by_the_plan(isolated_table, selected, monkeypatch):
+    """valid_rows, which a mean's composition runs for its divisor, is kept by the plan as a value check's label check
+    is: looked up on the signature's first call only (no call-signature key of its own on the later ones), eager and
+    through the torch op alike, and selected again after a registration."""
+    keyed = []
+    key = calls.key
+    monkeypatch.setattr(calls, "key", lambda spec, *args: keyed.append(spec.name) or key(spec, *args))
+    handle, args = dispatch.op("flce", backend="reference"), flce_args()
+    want = handle(*args.values())
+    op = torch.ops.liger_dispatch.flce
+    for _ in range(3):
+        torch.testing.assert_close(handle(*args.values()), want, rtol=0, atol=0)
+        torch.testing.assert_close(op(*args.values(), backend="reference")[0], want, rtol=0, atol=0)
+    assert keyed.count("valid_rows") == 2 and selected.count("valid_rows") == 1  # each plan's first call
+    seen = []
+
+    def valid_rows(target, *, ignore_index, scale=1.0):
+        seen.append(target.shape)
+        return reference_support.valid_rows(target, ignore_index=ignore_index, scale=scale)
+
+    ld.register_backend("valid_rows", backend="spy", priority=1000, capability=CPU)(valid_rows)
+    for _ in range(2):  # registered since: selected again, the spy serves every call
+        torch.testing.assert_close(handle(*args.values()), want, rtol=0, atol=0)
+    assert seen == [args["target"].shape] * 2 and selected.count("valid_rows") == 2
+
+
 def test_forgotten_plans_are_forgotten_by_the_handle_too(monkeypatch):
     planned = []
     plan = torch_ops.plan

@@ -10,10 +10,11 @@ error. Handles (eager calls), the torch ops' implementations (compiled calls) an
 their plans up here, with `key`.
 
 The machinery's own kernel-level ops (registry/support.py: the device label check a value check runs, the scale of
-each gradient in a loss's backward) are selected once per signature of the call that runs them, not once per call:
-their arguments are a function of that signature (the call's target, the gradients its implementation returns and
-grad_loss, whose shape, dtype and device the op's contract fixes), so what they select is too. A plan keeps them in
-`Kernels`, by their place in the call; a change to the op table or selection.reset() makes the next call select
+each gradient in a loss's backward, a mean's count in a composition) are selected once per signature of the call
+that runs them, not once per call: their arguments are a function of that signature (the call's target, the
+gradients its implementation returns and grad_loss, whose shape, dtype and device the op's contract fixes, the
+labels a composition counts), so what they select is too. A plan keeps them in `Kernels`, by their place in the
+call (`keeping`); a change to the op table or selection.reset() makes the next call select
 them again (through `kernel`, whose plans are remembered here too).
 
 The key holds everything the skipped steps read:
@@ -193,9 +194,25 @@ def checked(spec, plan: Plan, a) -> None:
         plan.checks = None
 
 
+def keeping(fn: Callable, kernels: Kernels) -> Callable:
+    """fn, with the machinery kernels it runs (a composition's valid_rows) kept in `kernels` by place, as a plan's
+    value checks keep theirs: the composition of one signature runs the same ones in the same order."""
+
+    def run(*args, **kwargs):
+        previous = getattr(_checking, "at", None)
+        _checking.at = [kernels, 0]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _checking.at = previous
+
+    return run
+
+
 def machinery(spec, args: tuple, kwargs: dict):
     """Run one of the machinery's own kernel-level ops (registry/support.py) and return what it returns: within a
-    plan's value checks, the kernel that plan keeps for this place; elsewhere, the plan of this call's signature."""
+    plan's value checks or its implementation (`keeping`), the kernel that plan keeps for this place; elsewhere, the
+    plan of this call's signature."""
     at = getattr(_checking, "at", None)
     if at is None:
         return kernel(spec, (), args, kwargs)(*args, **kwargs)

@@ -187,6 +187,8 @@ def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: d
     with a process_group) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
     fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
+    if _grads_in_forward(spec):  # a composition: its valid_rows selected once per signature, not once per call
+        fn = calls.keeping(fn, calls.Kernels())
     return Plan(fn, fallback, impl.backend)
 
 
