@@ -14,8 +14,8 @@ each gradient in a loss's backward, a mean's count in a composition) are selecte
 that runs them, not once per call: their arguments are a function of that signature (the call's target, the
 gradients its implementation returns and grad_loss, whose shape, dtype and device the op's contract fixes, the
 labels a composition counts), so what they select is too. A plan keeps them in `Kernels`, by their place in the
-call (`keeping`); a change to the op table or selection.reset() makes the next call select
-them again (through `kernel`, whose plans are remembered here too).
+call (`keeping`); a change to the op table or selection.reset() makes the next call select them again (through
+`kernel`, whose plans are remembered here too).
 
 The key holds everything the skipped steps read:
 - the op and the backends pinned by the caller;
