@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from benchmarks import clocks
 import liger_dispatch as ld
+from benchmarks import clocks
 from liger_dispatch import dispatch, timing
 from liger_dispatch.backends.reference import mhc as reference_mhc
 from liger_dispatch.backends.reference.formulas import mhc_coeffs_from_mix, mhc_mix

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from test_discovery import DSLS
+
 ROOT = Path(__file__).parents[1]
 PACKAGE, REGISTRY = ROOT / "liger_dispatch", ROOT / "registry"
 # the word each op family's names share (flce; fused_linear_jsd, jsd_beta; fused_linear_kl_div; mhc_*; *logprobs*)
 FAMILY_WORDS = ("flce", "jsd", "kl_div", "mhc", "logprobs")
 MAX_FILES_PER_FAMILY = 3
 MAX_TOP_LEVEL_MODULES = 12
-DSLS = ("triton", "cutlass", "helion")
 
 
 def _is_front_end(path: Path) -> bool:
