@@ -68,12 +68,20 @@ class OpHandle:
             if plan is None or plan.launch is None:
                 return self._first_call(signature, args, kwargs)
             self._last = (calls.epoch, signature, plan)
-        a = self._spec.schema.rebind(args, kwargs)
-        if not autocast.enabled():
-            return self._result(a, torch_ops.replay(self._spec, plan, a, args, kwargs))
-        a, args, kwargs = self._cast(a, args, kwargs)
-        with autocast.disabled(a):
-            return self._result(a, torch_ops.replay(self._spec, plan, a, args, kwargs))
+        spec = self._spec
+        a = spec.schema.rebind(args, kwargs)
+        if autocast.enabled():
+            a, args, kwargs = self._cast(a, args, kwargs)
+            with autocast.disabled(a):
+                return self._result(a, self._replay(plan, a, args, kwargs))
+        calls.checked(spec, plan, a)  # the per-call path: _replay and _result written out
+        outputs = plan.launch(a, args, kwargs)
+        return outputs if spec.result is None else spec.result(a, outputs)
+
+    def _replay(self, plan, a, args: tuple, kwargs: dict):
+        """A call of a signature planned before: its fallback warning and value checks, then the plan."""
+        calls.checked(self._spec, plan, a)
+        return plan.launch(a, args, kwargs)
 
     def _result(self, a, outputs):
         """What the call returns: the op's outputs, or what its spec makes of them (OpSpec.result)."""

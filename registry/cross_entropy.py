@@ -232,7 +232,7 @@ def compose_flce(kernel, vocab_parallel=None):
         labels = fl.flat(target).long()
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
-        count, inverse = fl.valid_count(labels, x.shape[0], ignore_index, x.device) if mean or asked else (None, None)
+        count, inverse = fl.valid_count(labels, ignore_index) if mean or asked else (None, None)
         weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale, ce_weight=weights)
@@ -245,8 +245,8 @@ def compose_flce(kernel, vocab_parallel=None):
         row_stats = x.new_empty(x.shape[0], 2, dtype=heads.loss_dtype(x)) if asked else None
 
         def chunk_loss(logits, start, end, chunk_scale):
-            return kernel(logits, labels[start:end], grad_scale=chunk_scale,
-                          row_stats=None if row_stats is None else row_stats[start:end], **options)
+            return kernel(logits, fl.chunk_of(labels, start, end), grad_scale=chunk_scale,
+                          row_stats=fl.chunk_of(row_stats, start, end), **options)
 
         rows, dx, dw, db = fl.run_chunks(
             x, weight, bias, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=want_db and bias is not None,

@@ -115,16 +115,15 @@ def compose(kernel, vocab_parallel=None):
         xt = fl.flat(teacher_input, teacher_input.shape[-1])
         labels = None if shift_labels is None else fl.flat(shift_labels).long()
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
-        _, scale = fl.valid_count(labels, x.shape[0], ignore_index, x.device, factor)
+        scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, factor)
         teacher = []  # the teacher's logits buffer, made by the first chunk: the largest
 
         def chunk_loss(logits, start, end, chunk_scale):
             if not teacher:
                 teacher.append(torch.empty(logits.shape, dtype=xt.dtype, device=xt.device))
-            t_logits = teacher[0][: end - start]
-            torch.mm(xt[start:end], teacher_weight.t(), out=t_logits)
-            chunk_labels = None if labels is None else labels[start:end]
-            return kernel(logits, t_logits, chunk_labels, beta=jsd_beta, ignore_index=ignore_index,
+            t_logits = fl.chunk_of(teacher[0], 0, end - start)
+            torch.mm(fl.chunk_of(xt, start, end), teacher_weight.t(), out=t_logits)
+            return kernel(logits, t_logits, fl.chunk_of(labels, start, end), beta=jsd_beta, ignore_index=ignore_index,
                           temperature=temperature, grad_scale=chunk_scale)
 
         rows, dx, dw, _ = fl.run_chunks(

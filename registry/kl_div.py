@@ -129,13 +129,12 @@ def compose(kernel, vocab_parallel=None):
             scale = torch.ones((), device=x.device)
         else:
             total = vocab if vocab_parallel is None else vocab_parallel.total
-            _, scale = fl.valid_count(labels, x.shape[0], ignore_index, x.device,
-                                      1.0 / total if reduction == "mean" else 1.0)
+            scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, 1.0 / total if reduction == "mean" else 1.0)
 
         def chunk_loss(logits, start, end, chunk_scale):
-            chunk_labels = None if labels is None else labels[start:end]
-            return kernel(logits, probs[start:end], chunk_labels, ignore_index=ignore_index, temperature=temperature,
-                          eps=eps, log_target=log_target, grad_scale=chunk_scale)
+            return kernel(logits, fl.chunk_of(probs, start, end), fl.chunk_of(labels, start, end),
+                          ignore_index=ignore_index, temperature=temperature, eps=eps, log_target=log_target,
+                          grad_scale=chunk_scale)
 
         rows, dx, dw, _ = fl.run_chunks(
             x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=False,

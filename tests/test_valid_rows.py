@@ -50,9 +50,9 @@ def test_a_strided_target_is_read_as_its_values():
 
 
 def test_the_mean_of_a_call_without_labels_divides_by_its_rows():
-    count, scale = fl.valid_count(None, 6, -100, torch.device("cpu"), 3.0)
-    assert count.item() == 6.0 and scale.item() == pytest.approx(0.5)
-    count, scale = fl.valid_count(torch.tensor([1, -100, 2]), 3, -100, torch.device("cpu"), 3.0)
+    assert fl.mean_scale(None, 6, -100, torch.device("cpu"), 3.0).item() == pytest.approx(0.5)
+    assert fl.mean_scale(torch.tensor([1, -100, 2]), 3, -100, torch.device("cpu"), 3.0).item() == 1.5
+    count, scale = fl.valid_count(torch.tensor([1, -100, 2]), -100, 3.0)
     assert count.item() == 2.0 and scale.item() == 1.5
 
 

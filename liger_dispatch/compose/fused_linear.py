@@ -120,11 +120,12 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     losses = []
     for start in range(0, n, rows):
         end = min(start + rows, n)
-        x_c, logits = x[start:end], buffer[: end - start]
+        x_c, logits = chunk_of(x, start, end), chunk_of(buffer, 0, end - start)
         linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, kernel_scale[start:end] if kernel_scale.dim() else kernel_scale))
+        losses.append(chunk_loss(logits, start, end, chunk_of(kernel_scale, start, end) if kernel_scale.dim()
+                                 else kernel_scale))
         if dx is not None:
-            torch.mm(logits, weight, out=dx[start:end])
+            torch.mm(logits, weight, out=chunk_of(dx, start, end))
         if dw is not None:
             dw.add(logits, x_c)
         if db is not None:
@@ -144,14 +145,24 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 
-def valid_count(labels: Optional[torch.Tensor], n: int, ignore_index: int, device,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_of(t: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.Tensor]:
+    """t's rows [start, end), or t itself when those are all of its rows (one chunk: no view made per call)."""
+    if t is None or (start == 0 and end == t.shape[0]):
+        return t
+    return t[start:end]
+
+
+def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, scale / count) as fp32 device scalars, count the non-ignored rows, at least 1 (all ignored -> loss 0,
     not NaN): one launch (registry/support.py's valid_rows), no sync."""
-    if labels is None:
-        count = float(max(n, 1))
-        return torch.full((), count, device=device), torch.full((), scale / count, device=device)
     return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale)).unbind()
+
+
+def mean_scale(labels: Optional[torch.Tensor], n: int, ignore_index: int, device, scale: float = 1.0) -> torch.Tensor:
+    """scale / count as an fp32 device scalar, count the rows not ignored (all n without labels), at least 1."""
+    if labels is None:
+        return torch.full((), scale / max(n, 1), device=device)
+    return valid_count(labels, ignore_index, scale)[1]
 
 
 def flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:

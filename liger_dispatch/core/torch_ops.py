@@ -258,12 +258,6 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
     return made
 
 
-def replay(spec: OpSpec, plan: Plan, a: Args, args: tuple, kwargs: dict):
-    """A call of a signature planned before: its fallback warning and value checks, then the plan."""
-    calls.checked(spec, plan, a)
-    return plan.launch(a, args, kwargs)
-
-
 def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Callable[[Args, tuple, dict], object]:
     """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function:
     all fixed by the signature), decided once; `scales`: where the backward keeps its gradients' scale_grad."""
