@@ -34,7 +34,7 @@ from liger_dispatch.core import calls, results, selection
 from liger_dispatch.core.calls import Plan
 from liger_dispatch.compose.fused_linear import grad_dtype, wanted_grads
 from liger_dispatch.core.schema import Args
-from liger_dispatch.core.table import TABLE, OpSpec
+from liger_dispatch.core.table import TABLE, WHOLE_OP, OpSpec
 from liger_dispatch.errors import DoubleBackwardError
 
 NAMESPACE = "liger_dispatch"
@@ -187,8 +187,8 @@ def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: d
     with a process_group) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
     fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
-    if _grads_in_forward(spec):  # a composition: its valid_rows selected once per signature, not once per call
-        fn = calls.keeping(fn, calls.Kernels())
+    if _grads_in_forward(spec) and (impl.variant != WHOLE_OP or fn is not impl.fn):
+        fn = calls.keeping(fn, calls.Kernels())  # a composition's valid_rows selected once per signature
     return Plan(fn, fallback, impl.backend)
 
 
