@@ -25,3 +25,14 @@ def test_scales_in_place_by_grad_loss(dtype, n, path):
         if g == 1.0:
             assert torch.equal(y, x)
         torch.testing.assert_close(y.float(), want, rtol=ULP[dtype], atol=0.0)
+
+
+@pytest.mark.parametrize("blocks", [4, 5])
+def test_fewer_programs_than_blocks_scale_every_block(blocks, monkeypatch):
+    """The grid is at most SCALE_PROGRAMS programs striding over the blocks (a partial last block included)."""
+    monkeypatch.setattr(triton_support, "SCALE_PROGRAMS", 2)
+    n = (blocks - 1) * triton_support.SCALE_BLOCK + 5
+    x = torch.randn(n)
+    y = x.clone()
+    triton_support.launch_scale(y, torch.tensor(-0.5))
+    torch.testing.assert_close(y, x * -0.5, rtol=1e-7, atol=0.0)
