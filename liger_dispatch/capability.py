@@ -18,10 +18,9 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _CC_CACHE.get(index)
-    if cc is None:
-        cc = _CC_CACHE[index] = torch.cuda.get_device_capability(index)
-    return cc
+    if index not in _CC_CACHE:
+        _CC_CACHE[index] = torch.cuda.get_device_capability(index)
+    return _CC_CACHE[index]
 
 
 def default_device() -> torch.device:
@@ -62,10 +61,9 @@ class Capability:
     min_cc / max_cc: compute-capability bounds for CUDA inputs, read off the inputs' own device.
     dtypes: accepted dtypes of every floating-point tensor argument; None means any.
     modules: importable modules it needs.
-    predicate: called with the op's arguments; returns a reason string when the call is out of
-        reach (a shape limit, say), None when it can serve. It must read only what a call's signature
-        holds (shapes, strides, dtypes, devices, option values: core/calls.py): a handle asks it on the
-        first call of a signature, and its repeated calls reuse the answer.
+    predicate: called with the op's arguments; returns why the call is out of reach (a shape limit, say), or None.
+        It must read only what a call's signature holds (shapes, strides, dtypes, devices, option values:
+        core/calls.py): it is asked on a signature's first call, and repeated calls reuse the answer.
     """
 
     devices: Sequence[str] = ()
@@ -103,12 +101,8 @@ class Capability:
                 return f"needs compute capability >= {self.min_cc[0]}.{self.min_cc[1]}, device has {cc[0]}.{cc[1]}"
             if self.max_cc is not None and cc > tuple(self.max_cc):
                 return f"needs compute capability <= {self.max_cc[0]}.{self.max_cc[1]}, device has {cc[0]}.{cc[1]}"
-        if self.dtypes is not None:
-            for dtype in dtypes:
-                if dtype not in self.dtypes:
-                    accepted = ", ".join(dtype_name(d) for d in self.dtypes)
-                    return f"does not support {dtype_name(dtype)} (supports {accepted})"
-        for module in self.modules:
-            if _module_missing(module):
-                return f"module '{module}' is not installed"
-        return None
+        for dtype in dtypes:
+            if self.dtypes is not None and dtype not in self.dtypes:
+                return f"does not support {dtype_name(dtype)} (supports {', '.join(map(dtype_name, self.dtypes))})"
+        missing = next((m for m in self.modules if _module_missing(m)), None)
+        return None if missing is None else f"module '{missing}' is not installed"

@@ -139,22 +139,19 @@ def registered_backends(op_name: str) -> list[str]:
 
 def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.dtype) -> dict[str, Optional[str]]:
     """For every registered backend: None when it can serve `op_name` on device/dtype, else the reason."""
-    name = TABLE.canonical(op_name)
-    device = torch.device(device)
+    name, device = TABLE.canonical(op_name), torch.device(device)
     backends = registered_backends(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return {b: "no CUDA device on this machine" for b in backends}
-    status = selection.status(name, device, dtype)
+    status = selection.resolve(name, (), device=device, dtypes=(dtype,), preferences_apply=False).status()
     return {b: status.get(b, TABLE.unavailable_reason(name, b)) for b in backends}
 
 
 def available_backends(op_name: str, device: Union[None, str, torch.device] = None,
                        dtype: Optional[torch.dtype] = None) -> list[str]:
-    """Backends that can serve the op on this device and dtype here, best first (reference last); backend
-    preferences do not apply (this is what auto selection chooses from).
-
-    device defaults to this machine's (CUDA when it has one, else the CPU), dtype to bf16 on CUDA and fp32 on the
-    CPU. Asking about CUDA on a machine without it warns, and the answer is [].
+    """Backends that can serve the op on this device and dtype here, best first (reference last): what auto
+    selection chooses from (backend preferences do not apply). device defaults to this machine's
+    (default_device()), dtype to default_dtype(device). Asking about CUDA on a machine without it warns: [].
     """
     name = TABLE.canonical(op_name)
     device = default_device() if device is None else torch.device(device)

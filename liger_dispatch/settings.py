@@ -1,9 +1,8 @@
 """Every environment variable liger-dispatch reads: its name, the values it accepts, its default and effect.
 
-A variable is read on each use, so a change takes effect on the next call, and parsed once per distinct
-raw string, so a use on the per-call path costs a lookup of the raw value and a dict hit. A value outside
-the accepted ones raises ConfigError naming the variable and what it accepts. The backend preferences
-(LIGER_BACKEND, LIGER_BACKEND_<OP>) are parsed by selection.py, where unknown names are an error.
+A variable is read on each use (a change takes effect on the next call) and parsed once per distinct raw string
+(a use on the per-call path costs a lookup and a dict hit); a bad value raises ConfigError. The backend
+preferences (LIGER_BACKEND, LIGER_BACKEND_<OP>) are parsed by selection.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """torch.autocast for the fused-linear ops: they replace an `F.linear`, so they cast as autocast casts a linear layer.
 
-Under autocast the op's linear operands (OpSpec.autocast) are cast to the autocast dtype before the checks, as
-autocast would cast them for F.linear (an fp32 master weight with a bf16 activation is the usual case); autograd
-brings each gradient back in its parameter's own dtype. The implementations then run with autocast off: their
-math is written for the dtypes they are given.
+Their linear operands (OpSpec.autocast) are cast to the autocast dtype before the checks (an fp32 master weight
+with a bf16 activation is the usual case); autograd brings each gradient back in its parameter's own dtype. The
+implementations then run with autocast off: their math is written for the dtypes they are given.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from liger_dispatch.core.schema import Args
+
 
 def _device_type(spec, a: Args) -> str:
     return getattr(a, spec.autocast[0]).device.type
@@ -34,9 +34,8 @@ def cast(spec, a: Args) -> tuple[Args, tuple, dict]:
     dtype = torch.get_autocast_dtype(_device_type(spec, a))
     values = {name: getattr(a, name) for name in spec.schema.names}  # getattr: torch.compile traces this
     for name in spec.autocast:
-        value = values[name]
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            values[name] = value.to(dtype)
+        if isinstance(values[name], torch.Tensor) and values[name].is_floating_point():
+            values[name] = values[name].to(dtype)
     cast_args = Args(values)
     return (cast_args, *spec.schema.call_args(cast_args))
 

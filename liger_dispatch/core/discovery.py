@@ -1,10 +1,8 @@
 """Which backends a call can reach, so that discovery imports only their modules.
 
-Each in-tree backend declares the device types it can ever accept (registry/__init__.py): a call on
-tensors of another device type never imports that backend's modules, and so never its DSL (triton,
-helion, cutlass); choosing the reference over it is no fallback. A backend that declares nothing may
-accept any device and is imported whenever an op it serves is resolved. `python -m liger_dispatch`,
-`registered_backends` and `available_backends` still import every backend, to show all of them.
+Each in-tree backend declares the device types it can ever accept (registry/__init__.py): a call on tensors of
+another device type never imports its modules, so never its DSL (triton, helion, cutlass), and choosing the
+reference over it is no fallback. A backend that declares nothing is imported whenever an op it serves is resolved.
 """
 
 from __future__ import annotations

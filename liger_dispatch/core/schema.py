@@ -1,10 +1,7 @@
-"""An op's schema, written once in torch.library syntax, and what follows from it.
+"""An op's schema, written once in torch.library syntax, and what follows from it: the signature every
+implementation must have, the binding of a call's arguments (`Args`), the torch.library op (core/torch_ops.py).
 
     ce_loss_and_grad(Tensor(a!) logits, Tensor target, *, Tensor? grad_scale=None, int ignore_index=-100) -> Tensor
-
-From the schema come the Python signature every registered implementation must have (checked at registration),
-the binding of a call's arguments (`Args`, what the input checks and the probes read), the torch.library op
-(`liger_dispatch/core/torch_ops.py`) and the CLI's description of the op.
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ class Param:
 class Args:
     """One call's arguments by name, defaults filled in: what an op's checks and probes read (a.input, ...).
 
-    Set attribute by attribute: torch.compile traces this (the checks run while it traces), and some of its
-    versions cannot follow an assignment of __dict__ or a SimpleNamespace(**values).
-    """
+    Set attribute by attribute: torch.compile traces this, and some of its versions cannot follow an assignment of
+    __dict__ or a SimpleNamespace(**values)."""
 
     def __init__(self, values: dict):
         for name, value in values.items():

@@ -1,14 +1,11 @@
-"""Which implementation serves a call: preferences, capability, fallback, in one function, `resolve`, that every
-caller asks (calls, explain, available_backends, the CLI summary, the vocab-parallel kernels, compiled calls).
+"""Which implementation serves a call: preferences, capability and fallback in one function, `resolve`, that
+every caller asks; what a call of one signature resolved to is remembered by calls.py.
 
-Order, first source that is set wins: `backend=` on the handle; `use_backend(...)`;
-LIGER_BACKEND_<OP>; LIGER_BACKEND; otherwise auto (best priority among the capable, after the backends a tuned
-table for this device measured fastest: tuned.py).
-A requested backend that cannot serve yields to the next preference and finally to the reference,
-with one FallbackWarning per (op, backend, reason); LIGER_STRICT=1 makes that an error. In auto mode the
-reference is no fallback when no other backend accepts the call's device type at all (CPU tensors on a
-machine without the Triton interpreter, say). A capability predicate that raises turns its implementation down
-with the exception as the reason. What a call of one signature resolved to is remembered by calls.py, not here.
+The first preference set wins: `backend=` on the handle; `use_backend(...)`; LIGER_BACKEND_<OP>; LIGER_BACKEND;
+else auto (the backends a tuned table measured fastest here first (tuned.py), then best priority). A requested
+backend that cannot serve yields to the next and finally to the reference, with one FallbackWarning per (op,
+backend, reason); LIGER_STRICT=1 makes that an error. In auto mode the reference is no fallback when no other
+backend accepts the call's device type at all (CPU tensors without the Triton interpreter, say).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from liger_dispatch.capability import dtype_name
 from liger_dispatch.errors import (BackendUnavailableError, FallbackWarning, LigerDispatchError, UnknownBackendError,
                                    warn_at_caller)
 from liger_dispatch.settings import getenv
-from liger_dispatch.core.table import REFERENCE, TABLE, Impl, reference_last
+from liger_dispatch.core.table import REFERENCE, TABLE, Impl
 
 _local = threading.local()
 _warned: set[tuple[str, str, str]] = set()
@@ -61,8 +58,8 @@ def env_key(op: str) -> str:
 
 
 def preference(op: str, pinned: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """(where the preference came from, the backend names), or ("auto", ()) when none is set (or applies): the
-    first of `preferences` that is set (a use_backend() block even when it names none)."""
+    """(where the preference came from, the backend names) of the first of `preferences` that is set (a
+    use_backend() block even when it names none), or ("auto", ())."""
     sources = ("backend= on the handle", "use_backend()", env_key(op), "LIGER_BACKEND")
     for source, value in zip(sources, preferences(op, pinned or None)):
         if value not in (None, ""):
@@ -76,8 +73,7 @@ def strict() -> bool:
 
 def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
     """The device of the call's first tensor and the dtype of every tensor, in order (one pass, hot path)."""
-    device = None
-    dtypes = []
+    device, dtypes = None, []
     for values in (args, kwargs.values()):
         for value in values:
             if isinstance(value, torch.Tensor):
@@ -117,9 +113,8 @@ def check_known(names: Sequence[str], source: str) -> None:
 
 def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple, tuned_key,
             preferences_apply: bool) -> Resolution:
-    """Everything that depends only on the call's signature: the statically capable implementations in the order
-    they are tried (the preference's, or auto's: a tuned table's measured order, then priority), and what was
-    turned down and why."""
+    """What depends only on the call's signature: the statically capable implementations in the order they are
+    tried, and what was turned down and why."""
     source, requested = preference(op, pinned) if preferences_apply else ("auto", ())
     check_known(requested, source)
     settings.check_all()
@@ -128,8 +123,7 @@ def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tupl
     TABLE.discover(op, reachable)  # imports backend modules, which register: TABLE.version moves
     version = TABLE.version
     candidates = TABLE.candidates(op, reachable)
-    rejected: list[Rejection] = []
-    capable: list[Impl] = []
+    rejected, capable = [], []
     for impl in candidates:
         reason = unreachable.get(impl.backend) or impl.capability.static_reason(device, dtypes)
         if reason is None:
@@ -148,13 +142,13 @@ def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tupl
         order += [i for i in capable if i.backend == REFERENCE and i not in order]
     else:
         order, entry = tuned.measured_first(capable, tuned.choice(op, device, dtypes, tuned_key), lambda i: i.backend)
-        order = reference_last(order, lambda i: i.backend)
+        order = [i for i in order if i.backend != REFERENCE] + [i for i in order if i.backend == REFERENCE]
     return Resolution(op, source, requested, tuple(order), tuple(rejected), version, entry)
 
 
 def preferences(op: str, pinned: tuple[str, ...]) -> tuple:
-    """Where a call's backend preference is read from, as read now: (pinned, use_backend's innermost,
-    LIGER_BACKEND_<OP>, LIGER_BACKEND); a cache key's part (unparsed: preference() parses the one that wins)."""
+    """(pinned, use_backend's innermost, LIGER_BACKEND_<OP>, LIGER_BACKEND) as they are now, unparsed (a cache
+    key's part; preference() parses the one that wins)."""
     if TABLE.spec(op).internal:
         return ()
     stack = getattr(_local, "stack", None)
@@ -181,11 +175,10 @@ class Choice:
     def is_fallback(self) -> bool:
         """A requested backend did not serve, or (auto) the reference serves although another backend accepts
         this device type."""
-        res = self.resolution
         if self.impl is None:
             return False
-        if res.requested:
-            return self.impl.backend != res.requested[0]
+        if self.resolution.requested:
+            return self.impl.backend != self.resolution.requested[0]
         return self.impl.backend == REFERENCE and any(_better(r) for r in self.rejected)
 
     def fallback(self) -> Optional[Callable[[], None]]:
@@ -214,8 +207,8 @@ def _judge(impl: Impl, args, kwargs) -> Optional[str]:
 
 def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device: Optional[torch.device] = None,
             dtypes: Optional[tuple] = None, preferences_apply: bool = True) -> Choice:
-    """The one selection function. With a call's args/kwargs: what serves that call (shape predicates judged).
-    Without them: what serves calls on `device` with floating `dtypes` (the predicates not asked)."""
+    """With a call's args/kwargs: what serves that call (shape predicates judged). Without them: what serves calls
+    on `device` with floating `dtypes` (the predicates not asked)."""
     call = args is not None
     if call:
         device, all_dtypes = call_signature(args, kwargs)
@@ -225,20 +218,18 @@ def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device:
     else:
         dtypes, tuned_key = tuple(dtypes or ()), None
     res = _static(op, pinned, device, dtypes, tuned_key, preferences_apply)
-    late: list[Rejection] = []
-    chosen = None
+    late = []
     for impl in res.chain:  # usually the first serves
         reason = _judge(impl, args, kwargs) if call else None
         if reason is None:
-            chosen = impl
-            break
+            return Choice(res, impl, tuple(late), device, dtypes, tuned_key)
         late.append(Rejection(impl.backend, impl.variant, reason))
-    return Choice(res, chosen, tuple(late), device, dtypes, tuned_key)
+    return Choice(res, None, tuple(late), device, dtypes, tuned_key)
 
 
 def selected(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Impl, Optional[Callable[[], None]]]:
-    """The implementation that serves this call, and, when it is a fallback, what warns about it (once per reason)
-    or raises under LIGER_STRICT: not called yet, so that a repeated call can replay it (calls.py)."""
+    """The implementation that serves this call, and what warns or raises about its fallback (None: no fallback),
+    uncalled so that a repeated call can replay it (calls.py)."""
     choice = resolve(op, pinned, args, kwargs)
     if choice.impl is None:
         raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe(choice.rejected))
@@ -279,8 +270,7 @@ def _fallback(res: Resolution, chosen: Impl, rejected: Sequence[Rejection]) -> N
 
 
 def reset() -> None:
-    """Forget emitted warnings and the plans made from earlier selections (tests, or after changing the
-    environment)."""
+    """Forget emitted warnings and the plans made from earlier selections (tests, or after changing the environment)."""
     global generation
     _warned.clear()
     tuned.reset()
@@ -313,9 +303,3 @@ def explain_lines(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Optio
     if choice.is_fallback:
         lines.append(f"  -> a fallback to {chosen.backend}: warns once per reason, raises under LIGER_STRICT=1")
     return chosen, lines
-
-
-def status(op: str, device: torch.device, dtype: torch.dtype) -> dict[str, Optional[str]]:
-    """For every backend that declares `op`: None when it can serve calls on device/dtype (auto, no preference),
-    else the reason."""
-    return resolve(op, (), device=device, dtypes=(dtype,), preferences_apply=False).status()

@@ -1,8 +1,7 @@
 """The op table: declared ops, their backend locations, registered implementations, discovery.
 
-Backend modules are imported lazily, once, the first time an op they serve is resolved for a call they
-can reach (discovery.py); an import failure is recorded (and shown by `python -m liger_dispatch`) instead of
-breaking other backends.
+Backend modules are imported lazily, once (discovery.py); an import failure is recorded (and shown by
+`python -m liger_dispatch`) instead of breaking other backends.
 """
 
 from __future__ import annotations
@@ -21,11 +20,6 @@ REFERENCE = "reference"
 WHOLE_OP = "whole-op"
 
 
-def reference_last(items: list, backend: Callable = lambda item: item) -> list:
-    """items in their order, but the reference backend's last: it serves only as the fallback."""
-    return [i for i in items if backend(i) != REFERENCE] + [i for i in items if backend(i) == REFERENCE]
-
-
 class TensorSpec:
     """The shape and dtype of a tensor a composition will make, for a kernel predicate to judge (probe)."""
 
@@ -42,32 +36,28 @@ class TensorSpec:
 class OpSpec:
     """An abstract op: its schema (written once) and what the dispatcher needs to serve it.
 
-    schema: the op in torch.library syntax; its name is the op's name. Every implementation's signature must be
-        the schema's (plus `impl_extra` for user-level losses), checked at registration.
-    check: check(a) with `a` the bound arguments (one attribute per schema parameter, defaults filled in); raises
-        InputError naming the bad argument. It reads shapes, dtypes and options only: it also runs while
-        torch.compile traces. Checks that need tensor values are `value_check`, run where the op runs.
-    composed_of / compose: for user-level ops built from kernel-level ops; every backend that implements all of
-        `composed_of` serves this op through `compose(*kernel_fns)`.
-    probe: probe(a) -> (args, kwargs) of the kernel-level call the composition will make, with a TensorSpec
-        standing for each tensor it will make, so the kernel's capability predicate judges it.
+    schema_text: the op in torch.library syntax, which names it. Every implementation's signature must be the
+        schema's (plus `impl_extra`), checked at registration.
+    check: check(a), `a` the bound arguments (defaults filled in), raises InputError naming the bad argument. It
+        reads shapes, dtypes and options only (it also runs while torch.compile traces); checks that need tensor
+        values are `value_check`, run where the op runs.
+    composed_of / compose: a user-level op built from kernel-level ops; every backend implementing all of
+        `composed_of` serves it through `compose(*kernel_fns)`.
+    probe: probe(a) -> (args, kwargs) of the kernel call the composition will make, a TensorSpec standing for each
+        tensor it will make, for the kernel's capability predicate to judge.
     differentiable: for user-level ops, the tensor parameters that get gradients.
-    impl_extra: keyword-only parameters (schema syntax) the implementations of a user-level op take beyond the op's
-        schema, e.g. which gradients to compute in the forward pass.
+    impl_extra: keyword-only parameters (schema syntax) a user-level op's implementations take beyond its schema.
     autocast: the tensor parameters cast to the autocast dtype under torch.autocast, as for F.linear.
-    fake: fake(a) -> the op's outputs as empty tensors of the right shapes and dtypes (torch.compile traces with it).
-        A fused-linear loss may have several outputs: the first is the loss, the others statistics of the same call
-        without a gradient (empty tensors where the call does not ask for them).
-    result: result(a, outputs) -> what a handle's call returns from the op's outputs (default: the outputs, a single
-        one as itself).
-    saved: for a user-level op with a backward of its own (its implementation has a `backward` method), what the
-        implementation returns after the op's outputs for that backward, as schema parameters ("Tensor mix, ...").
-    grads_in_saved: for such an op whose backward writes gradients into the memory of what it saved:
-        grads_in_saved(a, saved) -> {input name: that gradient as a view of the saved tensors}, none for a call whose
-        gradient has memory of its own. The torch op's backward returns those gradients empty (a torch op's outputs
-        alias no input) and its autograd takes the views.
-    vocab_parallel: for a user-level loss with a vocab-parallel path, its compose.vocab_parallel.VocabParallel.
-    tuning: for a user-level op that tuned tables order, its tuning.points.Tuning (buckets, the points to time).
+    fake: fake(a) -> the outputs as empty tensors (torch.compile traces with it). A fused-linear loss's first
+        output is the loss, the others statistics without a gradient (empty where the call does not ask for them).
+    result: result(a, outputs) -> what a handle's call returns (default: the outputs, a single one as itself).
+    saved: for a user-level op whose implementation has a `backward` method, what it returns after the outputs for
+        that backward, as schema parameters ("Tensor mix, ...").
+    grads_in_saved: grads_in_saved(a, saved) -> {input name: its gradient as a view of the saved tensors}, for a
+        backward that writes gradients into what it saved. The torch op's backward returns those empty (a torch
+        op's outputs alias no input) and its autograd takes the views.
+    vocab_parallel: a user-level loss's compose.vocab_parallel.VocabParallel, where it has that path.
+    tuning: a user-level op's tuning.points.Tuning (buckets, the points to time), where tuned tables order it.
     internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it.
     """
 
@@ -116,9 +106,8 @@ class Impl:
 class OpTable:
     """Every declared op, where each backend implements it, and the registered implementations.
 
-    Written by the registry (declarations, locations) and by backend modules as they are imported (registrations);
-    read by selection. `version` changes with every write and `version_of(op)` with every write that concerns op (a
-    declaration, or a registration of it or of an op it is composed of), so remembered plans never outlive one.
+    `version` changes with every write and `version_of(op)` with every write that concerns op (a declaration, or a
+    registration of it or of an op it is composed of), so remembered plans never outlive one.
     """
 
     def __init__(self) -> None:
@@ -132,8 +121,8 @@ class OpTable:
         self._discovered: set[tuple[str, str]] = set()  # (op, backend) whose modules were imported
         self._candidates: dict[str, tuple[Impl, ...]] = {}
         self._composed: dict[tuple, Impl] = {}
-        self.version = 0  # bumped on every change
-        self._declarations = 0  # bumped on every declaration
+        self.version = 0
+        self._declarations = 0
         self._op_versions: dict[str, int] = {}  # op -> registrations that concern it
 
     # -- declaring -----------------------------------------------------------------------------
@@ -163,14 +152,14 @@ class OpTable:
             raise SignatureError(f"{exc}. {contract(spec)}") from None
         with self._lock:
             impl = Impl(spec.name, impl.backend, impl.fn, impl.priority, impl.capability, impl.variant)
-            same = [i for i in self._registered.get(impl.op, []) if (i.backend, i.variant) == (impl.backend, impl.variant)]
+            registered = self._registered.get(impl.op, [])
+            same = [i for i in registered if (i.backend, i.variant) == (impl.backend, impl.variant)]
             if same and not replace and same[0].fn is not impl.fn:
                 raise RegistrationError(f"backend {impl.backend!r} already registered {same[0].fn.__qualname__} as its "
                                         f"implementation of {spec.name}; pass replace=True to replace it")
-            self._registered[impl.op] = [*(i for i in self._registered.get(impl.op, []) if i not in same), impl]
+            self._registered[impl.op] = [*(i for i in registered if i not in same), impl]
             self._backend_names.setdefault(impl.backend, None)
-            concerned = [spec.name, *(n for n, s in self._ops.items() if spec.name in s.composed_of)]
-            for name in concerned:
+            for name in (spec.name, *(n for n, s in self._ops.items() if spec.name in s.composed_of)):
                 self._op_versions[name] = self._op_versions.get(name, 0) + 1
                 self._candidates.pop(name, None)
             self.version += 1
@@ -188,11 +177,9 @@ class OpTable:
     def canonical(self, op: str) -> str:
         if op in self._ops:
             return op
-        name = self._aliases.get(op)
-        if name is None:
-            known = ", ".join(sorted(self._ops))
-            raise UnknownOpError(f"unknown op '{op}'; declared ops: {known}")
-        return name
+        if op not in self._aliases:
+            raise UnknownOpError(f"unknown op '{op}'; declared ops: {', '.join(sorted(self._ops))}")
+        return self._aliases[op]
 
     def spec(self, op: str) -> OpSpec:
         spec = self._ops.get(op)  # a canonical name: one lookup (the machinery's own calls name their ops so)
@@ -217,9 +204,8 @@ class OpTable:
     def discover(self, op: str, backends: Optional[Collection[str]] = None) -> None:
         """Import, once, the modules `backends` (default: all) declare for `op` and for the ops it is composed of.
 
-        The imports run outside the lock: a backend module registers into this table while it imports, and
-        another thread may be importing it already (Python's import lock makes this one wait for it).
-        """
+        Outside the lock: a backend module registers into this table while it imports, and another thread may be
+        importing it already (Python's import lock makes this one wait for it)."""
         name = self.canonical(op)
         with self._lock:
             pending = [(backend, module) for needed in (name, *self._ops[name].composed_of)
@@ -261,8 +247,8 @@ class OpTable:
 
     # -- candidates ----------------------------------------------------------------------------
     def _impl_of(self, op: str, backend: str) -> Optional[Impl]:
-        impls = [i for i in self._registered.get(op, []) if i.backend == backend]
-        return min(impls, key=lambda i: i.priority) if impls else None
+        return min((i for i in self._registered.get(op, []) if i.backend == backend), key=lambda i: i.priority,
+                   default=None)
 
     def candidates(self, op: str, backends: Optional[Collection[str]] = None) -> tuple[Impl, ...]:
         """Every implementation of `op`, whole-op and composed, best priority first, after discovering the
@@ -282,8 +268,8 @@ class OpTable:
                         impls.append(self._compose(spec, backend, parts))
             # whole-op implementations before the composition of the same priority
             impls.sort(key=lambda i: (i.priority, i.variant != WHOLE_OP))
-            result = self._candidates[name] = tuple(impls)
-            return result
+            self._candidates[name] = tuple(impls)
+            return self._candidates[name]
 
     def _compose(self, spec: OpSpec, backend: str, parts: list[Impl]) -> Impl:
         key = (spec.name, backend, tuple(id(p.fn) for p in parts))
@@ -308,17 +294,19 @@ def contract(spec: OpSpec) -> str:
     if spec.impl_extra:
         takes += f" and, keyword-only after them, {spec.extra.describe().strip('()').lstrip('*, ')}"
     if spec.level == "kernel" or not spec.differentiable:
-        return takes + "; it returns what the schema returns (checked against the op's fake on each signature's first call)."
+        return (f"{takes}; it returns what the schema returns (checked against the op's fake on each signature's "
+                "first call).")
     if "need_grads" in spec.extra.names:
         grads = ", ".join(f"the gradient of {n}" for n in spec.differentiable)
         outputs = spec.schema.returns
         returned = ("the loss," if outputs == 1 else f"its {outputs} outputs, the loss first, a statistic the call "
                     "does not ask for as an empty tensor;")
-        return (takes + f"; it returns ({returned} {grads}): each gradient computed in the forward pass when need_grads "
-                "asks for it, else None" + ("; with row_weights, the loss is sum_i row_weights_i * loss_i"
-                                            if "row_weights" in spec.extra.names else "") + ".")
-    return (takes + f"; it returns the schema's outputs followed by what its backward needs ({spec.saved}), and has "
-            "a backward(...) method taking the inputs, those tensors and one gradient per output.")
+        weights = ("; with row_weights, the loss is sum_i row_weights_i * loss_i" if "row_weights" in spec.extra.names
+                   else "")
+        return (f"{takes}; it returns ({returned} {grads}): each gradient computed in the forward pass when "
+                f"need_grads asks for it, else None{weights}.")
+    return (f"{takes}; it returns the schema's outputs followed by what its backward needs ({spec.saved}), and has a "
+            "backward(...) method taking the inputs, those tensors and one gradient per output.")
 
 
 def _checked_part(spec: OpSpec, part: Impl) -> Callable:
@@ -359,10 +347,8 @@ def register_backend(op: str, *, backend: str, priority: int = 50, capability: O
                      variant: str = WHOLE_OP, replace: bool = False) -> Callable[[Callable], Callable]:
     """Decorator: register the decorated function as `backend`'s implementation of `op` (a second registration of
     the same op and backend is an error unless `replace=True`)."""
-    capability = capability if capability is not None else Capability()
-
     def decorate(fn: Callable) -> Callable:
-        TABLE.register(Impl(op, backend, fn, priority, capability, variant), replace=replace)
+        TABLE.register(Impl(op, backend, fn, priority, capability or Capability(), variant), replace=replace)
         return fn
 
     return decorate
