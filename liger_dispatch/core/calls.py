@@ -1,34 +1,21 @@
 """What a call of each signature runs, remembered: the one call-signature cache (checks, selection, plan).
 
-The first call of a signature takes the whole path: bind the arguments and validate them, the op's input checks,
-autocast, selection (shape predicates, tuned tables, fallback), the value checks, and it ends with a `Plan`: the
-function that serves the call, which gradients it computes, and the fallback warning it gave, if any. A later call
-with the same signature reuses the plan: it skips all of that but the steps that read the data or a setting each
-call, which it runs as the first call did: the value checks (a label outside [0, V): on the device, or on the host
-for CPU tensors and under LIGER_CHECKS=full) and a fallback's warning (once per reason) or, under LIGER_STRICT,
-error. Handles (eager calls), the torch ops' implementations (compiled calls) and the vocab-parallel kernels look
-their plans up here, with `key`.
+A signature's first call takes the whole path (bind and validate the arguments, input checks, autocast, selection,
+value checks) and ends with a `Plan`: the function that serves the call and its fallback warning, if any. A later
+call of the signature reuses the plan and runs only the steps that read the data or a setting each call: the value
+checks (a label outside [0, V)) and the fallback's warning (once per reason) or, under LIGER_STRICT, error. Handles,
+the torch ops' implementations and the vocab-parallel kernels look their plans up with `key`.
 
-The machinery's own kernel-level ops (registry/support.py: the device label check a value check runs, the scale of
-each gradient in a loss's backward, a mean's count in a composition) are selected once per signature of the call
-that runs them, not once per call: their arguments are a function of that signature (the call's target, the
-gradients its implementation returns and grad_loss, whose shape, dtype and device the op's contract fixes, the
-labels a composition counts), so what they select is too. A plan keeps them in `Kernels`, by their place in the
-call (`keeping`); a change to the op table or selection.reset() makes the next call select them again (through
-`kernel`, whose plans are remembered here too).
+The machinery's own kernel-level ops (registry/support.py: the device label check, each gradient's scale in a
+loss's backward, a mean's count in a composition) are selected once per signature of the call that runs them: their
+arguments (shape, dtype and device) are a function of that signature, so what they select is too. A plan keeps them
+in `Kernels` by their place in the call (`keeping`); a change to the op table or selection.reset() selects again.
 
-The key holds everything the skipped steps read:
-- the op and the backends pinned by the caller;
-- each argument, positional or by keyword name: a tensor's type, shape, strides, dtype, device and requires_grad;
-  any other value's type and value (1, 1.0 and True are three signatures);
-- grad mode, and under autocast the autocast state of the call's device type;
-- what selection reads besides the arguments: the backend preference (use_backend, LIGER_BACKEND_<OP> and
-  LIGER_BACKEND, read each call; under auto selection LIGER_TUNED_TABLE too), the op table's version (a backend
-  registered since), and selection.generation (selection.reset() since).
-So a capability's shape predicate must be a function of the signature (capability.py says so).
-
-Not remembered: calls with a process_group (the vocab-parallel driver is made per call, after a collective),
-calls whose signature cannot be hashed (an unhashable option) or read (a tensor without strides).
+The key holds everything the skipped steps read (`key`): the op, the pinned backends, each argument (a tensor's
+metadata, any other value's type and value), grad mode and autocast state, and what selection reads besides (the
+backend preference, the op table's version, selection.generation); so a capability's shape predicate must be a
+function of the signature. Not remembered: calls with a process_group (the vocab-parallel driver is made per call,
+after a collective) and calls whose signature cannot be hashed or read (an unhashable option, no strides).
 """
 
 from __future__ import annotations
@@ -49,9 +36,9 @@ epoch = 0  # bumped whenever the plans are forgotten: a plan a handle kept for i
 
 
 class Kernels:
-    """The machinery's kernel-level ops that the calls of one signature run, by place: each selected on its first
-    call (`kernel`) and reused while the op table and selection.generation are what they were then. Every call
-    still gets the op's fallback warning (or strict error) and value checks."""
+    """The machinery's kernel-level ops the calls of one signature run, by place: each selected on its first call
+    and reused while the op table and selection.generation are unchanged; every call still gets its fallback warning
+    (or strict error) and value checks."""
 
     __slots__ = ("made",)
 
@@ -61,9 +48,8 @@ class Kernels:
     def run(self, place, spec, args: tuple, kwargs: dict):
         made = self.made.get(place)
         if made is None or made[0] is not spec or made[2] != TABLE.version or made[3] != selection.generation:
-            plan = _kernel_plan(spec, (), args, kwargs)
-            # the versions after selecting: its discovery may have imported (and registered) backends
-            made = self.made[place] = (spec, plan, TABLE.version, selection.generation)
+            # the versions read after selecting: its discovery may have imported (and registered) backends
+            made = self.made[place] = (spec, _kernel_plan(spec, (), args, kwargs), TABLE.version, selection.generation)
         plan = made[1]
         if plan.fallback is not None or spec.value_check is not None:
             _checked(spec, plan, args, kwargs)
@@ -71,11 +57,10 @@ class Kernels:
 
 
 class Plan:
-    """What the calls of one signature run: `fallback()` (the fallback's warning, or None when the selected
-    implementation is the one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for
-    a handle's eager call, `launch(a, args, kwargs)`: fn under the autograd.Function that computes the gradients
-    the signature asks for (torch_ops.py). `checks`: the machinery kernels its value checks run (`checked`),
-    None once its first call's checks ran none."""
+    """What the calls of one signature run: `fallback()` (its warning; None when the selected implementation is the
+    one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for a handle's eager call,
+    `launch(a, args, kwargs)` (fn under its autograd.Function: torch_ops.plan). `checks`: the machinery kernels its
+    value checks run, None once its first call's checks ran none."""
 
     __slots__ = ("fn", "fallback", "launch", "backend", "checks")
 
@@ -88,9 +73,8 @@ _plans: dict[tuple, Plan] = {}
 
 
 def key(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[tuple]:
-    """The key of a call's plan, or None when the call cannot be remembered. Each value's part of the signature, the
-    positional ones then the keyword ones (named by tuple(kwargs)), comes from one comprehension: no call per value,
-    this is the per-call path."""
+    """The key of a call's plan, or None when the call cannot be remembered (1, 1.0 and True are three signatures).
+    One comprehension over the positional then the keyword values (named by tuple(kwargs)): no call per value."""
     try:
         return (spec, pinned, tuple([(type(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
                                      if isinstance(v, torch.Tensor) else (type(v), v)
@@ -103,10 +87,8 @@ def key(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[tu
 
 def get(call_key: Optional[tuple]) -> Optional[Plan]:
     """The plan of a key, or None (also for a key that cannot be hashed: an unhashable option)."""
-    if call_key is None:
-        return None
     try:
-        return _plans.get(call_key)
+        return None if call_key is None else _plans.get(call_key)
     except TypeError:
         return None
 
@@ -116,8 +98,7 @@ def remember(call_key: Optional[tuple], plan: Plan, process_group=None) -> None:
         return
     if len(_plans) >= LIMIT:
         reset()
-    # under the table's version the plan was made at: the call's discovery may have registered backends since
-    # the key was made, and the next call makes its key with this one
+    # under the table's version after planning (the next call's key reads it): discovery may have registered backends
     with contextlib.suppress(TypeError):  # an unhashable option: not remembered
         _plans[(*call_key[:_VERSION], TABLE.version_of(call_key[0].name), call_key[-1])] = plan
 
@@ -130,8 +111,7 @@ def reset() -> None:
 
 
 def _preference(spec):
-    """What selection reads besides the arguments (a call pinning backends reads none of it; an internal op's
-    preferences are empty: selection.preferences)."""
+    """What selection reads besides the arguments (an internal op's preferences are empty: selection.preferences)."""
     preference = selection.preferences(spec.name, ())
     return preference if any(preference) else getenv(TUNED_TABLE.name)  # auto: the tuned tables order it
 
@@ -157,8 +137,8 @@ def _kernel_plan(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Pl
 
 
 def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable:
-    """The implementation that serves this call of a kernel-level op, from the plan of its signature (made on its
-    first call), after its fallback warning (or strict error) and value checks."""
+    """The implementation that serves this call of a kernel-level op, from its signature's plan, after its fallback
+    warning (or strict error) and value checks."""
     plan = _kernel_plan(spec, pinned, args, kwargs)
     _checked(spec, plan, args, kwargs)
     return plan.fn
@@ -173,9 +153,8 @@ _checking = threading.local()  # .at: [the Kernels of the plan whose value check
 
 
 def checked(spec, plan: Plan, a) -> None:
-    """What every call of plan's signature runs, its plan remembered or not: its fallback's warning (or strict
-    error), then spec's value checks of its bound arguments `a` (the machinery kernels they run, `machinery`, are
-    plan's)."""
+    """What every call of plan's signature runs: its fallback's warning (or strict error), then spec's value checks
+    of the bound arguments `a`, the machinery kernels they run kept in the plan."""
     if plan.fallback is not None:
         plan.fallback()
     if spec.value_check is None:
@@ -210,9 +189,8 @@ def keeping(fn: Callable, kernels: Kernels) -> Callable:
 
 
 def machinery(spec, args: tuple, kwargs: dict):
-    """Run one of the machinery's own kernel-level ops (registry/support.py) and return what it returns: within a
-    plan's value checks or its implementation (`keeping`), the kernel that plan keeps for this place; elsewhere, the
-    plan of this call's signature."""
+    """Run one of the machinery's own kernel-level ops (registry/support.py): within a plan's value checks or its
+    implementation (`keeping`), the kernel that plan keeps for this place; elsewhere, its own signature's plan."""
     at = getattr(_checking, "at", None)
     if at is None:
         return kernel(spec, (), args, kwargs)(*args, **kwargs)

@@ -1,9 +1,6 @@
-"""What an implementation returns, checked against its op's fake once per call signature.
-
-A plan's first call (calls.py) runs its implementation under `checking()`: the outputs are compared with what the
-op's fake says (how many, each one's shape, dtype and device), and so are those of every kernel-level op a
-composition calls during it; a mismatch is a BackendError naming the op, the backend and what differs. Later calls
-of the signature are not checked (a flag read per kernel call).
+"""What an implementation returns, checked against its op's fake on a plan's first call (calls.py): how many
+outputs, each one's shape, dtype and device, and those of every kernel-level op a composition calls meanwhile; a
+mismatch is a BackendError naming the op, the backend and what differs. Later calls are not checked.
 """
 
 from __future__ import annotations
@@ -42,20 +39,18 @@ def checking():
         _state.on = previous
 
 
-def _meta(t) -> Optional[tuple]:
-    return None if t is None else (tuple(t.shape), t.dtype, torch.device(t.device))
+def _meta(t) -> tuple:
+    return tuple(t.shape), t.dtype, torch.device(t.device)
 
 
 def _show(meta) -> str:
-    if meta is None:
-        return "None"
     shape, dtype, device = meta
     return f"a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on {device}"
 
 
 def mismatch(expected, got) -> Optional[str]:
-    """What differs between the expected outputs (a tensor, None or a tuple of them; tensors stand for their
-    metadata) and what an implementation returned, or None."""
+    """What differs between the expected outputs (a tensor or Like, None, or a tuple of them) and what an
+    implementation returned, or None."""
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list)):
             return f"returned {type(got).__name__} where the op returns {len(expected)} outputs"
@@ -66,9 +61,9 @@ def mismatch(expected, got) -> Optional[str]:
             if why is not None:
                 return f"output {i}: {why}"
         return None
-    want = _meta(expected)
-    if want is None:
+    if expected is None:
         return None if got is None else f"returned {type(got).__name__} where the op returns nothing"
+    want = _meta(expected)
     if not isinstance(got, torch.Tensor):
         return f"returned {type(got).__name__} where the op returns {_show(want)}"
     have = _meta(got)

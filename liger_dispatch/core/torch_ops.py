@@ -1,23 +1,16 @@
 """Every op as a PyTorch op, `torch.ops.liger_dispatch.<op>`, and the eager path into the same implementations.
 
-Two ways in, one set of implementations and one autograd definition per kind of op (a loss with its gradients
-computed in the forward pass, its per-row form, an op with a backward of its own), the same in both:
-- eager (what a dispatch handle does outside torch.compile: `plan` on a signature's first call, `replay` on the
-  next ones, calls.py): select, then call the implementation under the op's autograd.Function. Going through the
-  torch.library dispatcher costs ~20 us more host time per call, more than a loss op's whole host budget.
-- traced (`call`, what a handle does while torch.compile traces it): torch.ops.liger_dispatch.<op>, an opaque op
-  with a fake implementation, whose autograd kernel runs the same autograd.Function around the op below autograd.
-  Its implementation selects when it runs, so `use_backend`, LIGER_BACKEND and a handle's `backend=` (passed as
-  the op's `backend` argument) hold in compiled code too.
-Both backwards change what their forward kept (a loss scales its gradients in place, the log-prob op's backward
-overwrites its logits buffer): a second backward through one call is an error, and in compiled code
-functionalization keeps the graph correct.
-
-The torch.library schema of an op is its own schema plus, keyword-only, its implementations' extra parameters and
-`str? backend=None`. A fused-linear loss computes its gradients in the forward pass, so its op returns them after
-its outputs (the loss, then any statistics without a gradient; empty tensors for the gradients not asked for by
-`need_grads`); an op with a backward of its own returns what its backward needs (OpSpec.saved) after its outputs.
-Called with an input that requires a gradient, the op returns those extra tensors empty: autograd keeps them.
+One autograd.Function per kind of op (a loss with its gradients computed in the forward pass, its per-row form, an
+op with a backward of its own) serves both ways in:
+- eager (a dispatch handle outside torch.compile: `plan` on a signature's first call, its `launch` on the next ones):
+  select, then call the implementation under the op's autograd.Function. Going through the torch.library dispatcher
+  costs ~20 us more host time per call, more than a loss op's whole host budget.
+- traced (`call`, while torch.compile traces a handle): torch.ops.liger_dispatch.<op>, an opaque op with a fake
+  implementation, whose autograd kernel runs the same autograd.Function around the op below autograd. Its
+  implementation selects when it runs, so `use_backend`, LIGER_BACKEND and a handle's `backend=` (the op's `backend`
+  argument) hold in compiled code too.
+A backward that changes what its forward kept (a loss scales its gradients in place, the log-prob op's backward
+overwrites its logits buffer) runs once (`_once`); in compiled code functionalization keeps the graph correct.
 """
 
 from __future__ import annotations
@@ -76,25 +69,22 @@ def _once(ctx, what: str) -> None:
 
 
 def _returned(results: tuple, outputs: int, returned: int) -> tuple:
-    """What an autograd.Function returns of an op's results: its `outputs`, then, up to `returned` (a torch op
-    returns what it saves), an empty tensor for each saved one: autograd owns those now, and a backward that changes
-    one (a gradient scaled in place, a buffer overwritten) must not change a tensor the caller holds."""
+    """An op's `outputs`, then up to `returned` (a torch op returns what it saves) an empty tensor for each saved one:
+    autograd owns those, and a backward that changes one must not change a tensor the caller holds."""
     return (*results[:outputs], *(results[0].new_empty(0) for _ in range(returned - outputs)))
 
 
 def _wanted(grads, needs) -> tuple:
-    """Each gradient where its input needs one, else None (a torch op returns an empty tensor for a gradient not
-    asked for, and for an input left out, which must get None)."""
+    """Each gradient where its input needs one, else None (not the empty tensor a torch op returns there)."""
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
 class _GradsInForward(torch.autograd.Function):
     """A loss whose implementation computes its gradients in the forward pass: `run()` returns its outputs, then one
-    gradient per differentiable input; the function returns the first `returned` results (the loss, then statistics
-    and gradients without a gradient of their own). The backward scales the gradients by grad_loss in place:
-    grad_loss is almost always 1 (loss.backward()) and a scale of a [V, H] weight gradient costs a full read and
-    write of it (~0.5 ms at a 128k x 4k head), while testing grad_loss == 1 on the host is a device sync; the
-    scale_grad kernel reads it on the device and returns at once when it is 1 (registry/support.py)."""
+    gradient per differentiable input; the function returns the first `returned`, only the loss with a gradient.
+    The backward scales the gradients by grad_loss in place with scale_grad (registry/support.py), which returns at
+    once when grad_loss, read on the device, is 1 (loss.backward()): testing it on the host is a sync, and scaling a
+    [V, H] weight gradient is a full read and write of it (~0.5 ms at a 128k x 4k head)."""
 
     @staticmethod
     def forward(ctx, op, run, scale, outputs, returned, *tensors):
@@ -138,9 +128,8 @@ class _RowLosses(torch.autograd.Function):
 
 class _WithBackward(torch.autograd.Function):
     """An op whose implementation has a backward of its own: `run()` returns its `outputs`, then what that backward
-    needs (OpSpec.saved), and the function returns the first `returned` results; `backward(saved, grads, needs)`
-    gives one gradient per differentiable tensor, at `where` among the inputs. `once`: the backward overwrites what
-    the forward kept (a saved tensor declared "Tensor(a!)")."""
+    needs (OpSpec.saved); the function returns the first `returned`. `backward(saved, grads, needs)` gives one
+    gradient per differentiable tensor, at `where` among the inputs; `once`: it overwrites what the forward kept."""
 
     @staticmethod
     def forward(ctx, op, run, backward, outputs, returned, where, once, *tensors):
@@ -183,8 +172,8 @@ def _apply(function, head: tuple, tensors: tuple):
 
 # -- eager ----------------------------------------------------------------------------------------------------------
 def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
-    """Selection for a call: what serves it (the vocab-parallel driver on the selected implementation for a call
-    with a process_group) and its fallback warning or None."""
+    """Selection for a call: what serves it (for a call with a process_group, the vocab-parallel driver on the
+    selected implementation) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
     fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
     if _grads_in_forward(spec) and (impl.variant != WHOLE_OP or fn is not impl.fn):
@@ -195,8 +184,7 @@ def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: d
 def _expected(spec: OpSpec, args: tuple, kwargs: dict):
     """What an implementation of spec returns for this call: the fake's outputs, and for a loss whose gradients are
     computed in the forward pass one gradient per differentiable input (None where not asked for)."""
-    own = {k: v for k, v in kwargs.items() if k not in spec.extra.names}
-    a = spec.schema.bind(args, own)
+    a = spec.schema.bind(args, {k: v for k, v in kwargs.items() if k not in spec.extra.names})
     outputs = spec.fake(a)
     if spec.level == "kernel" or not _grads_in_forward(spec):
         return outputs
@@ -212,8 +200,8 @@ def _as_tuple(outputs) -> tuple:
 
 
 def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
-    """fn, its results (and those of the kernel-level ops a composition calls) checked against the op's fake: what a
-    plan's first call runs."""
+    """fn with its results (and those of the kernel-level ops a composition calls) checked against the op's fake:
+    what a plan's first call runs."""
 
     def first_call(*args, **kwargs):
         with results.checking():
@@ -228,22 +216,20 @@ def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
 
 
 def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Callable:
-    """What serves a torch op's call: the plan of its signature, after its fallback warning and value checks (its
-    results checked on the signature's first call)."""
+    """What serves a torch op's call: its signature's plan, after its fallback warning and value checks."""
     call_key = calls.key(spec, pinned, args, kwargs)
     plan = calls.get(call_key)
-    if plan is None:
+    first = plan is None
+    if first:
         plan = _plan(spec, pinned, a, args, kwargs)
         calls.remember(call_key, plan, getattr(a, "process_group", None))
-        calls.checked(spec, plan, a)
-        return _checking(spec, plan.backend, plan.fn)
     calls.checked(spec, plan, a)
-    return plan.fn
+    return _checking(spec, plan.backend, plan.fn) if first else plan.fn
 
 
 def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
-    """The eager path's first half: select and check values; what calls of this one's signature run (the first
-    one with its results checked)."""
+    """The eager path's first half: select and check values; the plan whose `launch` runs the calls of this one's
+    signature (the first with its results checked)."""
     made = _plan(spec, pinned, a, args, kwargs)
     calls.checked(spec, made, a)
     scales = calls.Kernels()  # the backward's, shared by the first call and the later ones
@@ -259,8 +245,8 @@ def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: di
 
 
 def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Callable[[Args, tuple, dict], object]:
-    """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function:
-    all fixed by the signature), decided once; `scales`: where the backward keeps its gradients' scale_grad."""
+    """launch(a, args, kwargs): how fn serves the calls of a's signature (which gradients, which autograd.Function),
+    decided once; `scales`: where the backward keeps its gradients' scale_grad."""
     if spec.level == "kernel":
         return lambda a, args, kwargs: fn(*args, **kwargs)
     need = _needs(spec, a)
@@ -297,8 +283,8 @@ def _own_outputs(count: int) -> Callable[[tuple], object]:
 
 
 def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
-    """launch for an op whose implementation has a backward of its own: its options, when no tensor is
-    among them, are the same in every call of the signature, so they are read once."""
+    """launch for an op whose implementation has a backward of its own: its options, when no tensor is among them,
+    are the same in every call of the signature, so they are read once."""
     positional = operator.attrgetter(*spec.schema.positional)  # a tuple: such an op has several tensors
     outputs = spec.schema.returns
     where = _differentiable_places(spec)
@@ -337,8 +323,8 @@ def _op_schema(name: str, positional: list[str], keyword: list[str], returns: st
 
 
 def _torch_schema(spec: OpSpec, returns: Optional[str] = None) -> str:
-    """The op's schema, plus its implementations' extra parameters (the tensors among them before the `*`: torch's
-    autograd takes tensor arguments only there) and `str? backend=None`; with other returns if given."""
+    """The op's schema plus its implementations' extra parameters (the tensors among them before the `*`: torch's
+    autograd takes tensor arguments only there) and, keyword-only, `str? backend=None`; with other returns if given."""
     positional, keyword, own_returns = _split(spec.schema_text)
     extra = [p.strip() for p in spec.impl_extra.split(",") if p.strip()]
     tensors, others = [p for p in extra if p.startswith("Tensor")], [p for p in extra if not p.startswith("Tensor")]
@@ -358,8 +344,8 @@ def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...
 
 def _unaliased(outputs: tuple, inputs: tuple) -> tuple:
     """The outputs, each one that shares memory with an input or an earlier output, or starts off a 16-byte boundary,
-    cloned: a torch op's outputs may alias neither, and inductor asserts that an op's outputs are aligned (a backend
-    may hand out views into one buffer its kernel fills at once)."""
+    cloned: a torch op's outputs may alias neither, and inductor asserts they are aligned (a backend may hand out
+    views into one buffer its kernel fills at once)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     result = []
     for out in outputs:
@@ -387,8 +373,7 @@ def _define(name: str, schema: str, impl: Callable, fake: Callable):
 
 
 def _run(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict, object]:
-    """A torch op's call of what serves it: (the op's bound arguments, their positional values, the extra keyword
-    values, what it returned)."""
+    """A torch op's call of what serves it: (bound arguments, positional values, extra keyword values, result)."""
     a, pinned, extra = _bind(spec, args, kwargs)
     positional, options = spec.schema.call_args(a)
     return a, positional, extra, _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
@@ -396,7 +381,7 @@ def _run(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict, ob
 
 def _define_as_returned(spec: OpSpec, returns: Optional[str] = None):
     """An op that returns what its implementation returns: a kernel-level op, or an op with a backward of its own
-    (its outputs, then what that backward needs: `returns`); its default overload."""
+    (its outputs, then what that backward needs: `returns`)."""
 
     def impl(*args, **kwargs):
         _, positional, _, out = _run(spec, args, kwargs)
@@ -409,8 +394,8 @@ def _define_as_returned(spec: OpSpec, returns: Optional[str] = None):
 
 
 def _define_loss(spec: OpSpec) -> None:
-    """A fused-linear loss: (its outputs, one gradient per differentiable input, or an empty tensor when not
-    needed)."""
+    """A fused-linear loss: its outputs, then one gradient per differentiable input (an empty tensor where not asked
+    for by `need_grads`)."""
     count = len(spec.differentiable)
     returned = spec.schema.returns
 
@@ -449,9 +434,8 @@ def _scale(place: int, grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
 
 
 def _register_autograd(spec: OpSpec, op, under_autograd: Callable) -> None:
-    """The torch op's autograd: a call with a differentiable input that requires a gradient runs under the
-    autograd.Function of the op's kind (the one an eager call runs), `under_autograd(run, args, kwargs, tensors)`,
-    whose forward, `run`, is the op below autograd."""
+    """The torch op's autograd: a call with an input that requires a gradient runs `under_autograd(run, args, kwargs,
+    tensors)` (the op kind's autograd.Function), whose `run` is the op below autograd."""
     where = _differentiable_places(spec)
 
     def autograd_kernel(keyset, *args, **kwargs):
@@ -479,8 +463,7 @@ def _differentiable_places(spec: OpSpec) -> list[int]:
 
 
 def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out (None) or one whose
-    gradient was not asked for (grad None)."""
+    """The gradient of an input in its shape and dtype, or an empty tensor for an input left out or a grad None."""
     if input is None or grad is None:
         return like.new_empty(0)
     return grad.reshape(input.shape).to(input.dtype).contiguous()  # whatever the input's strides: the fake's
@@ -489,8 +472,7 @@ def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], 
 def _define_with_backward(spec: OpSpec) -> None:
     """An op whose implementation has a backward of its own: it returns the op's outputs, then what spec.saved names;
     its backward is a second op, `<name>_backward`, taking the op's positional inputs, the saved tensors and one
-    optional gradient per output, and returning one gradient per differentiable input. A saved tensor declared
-    `Tensor(a!)` is one the implementation's backward overwrites (so it runs once, in eager and compiled code)."""
+    optional gradient per output, and returning one gradient per differentiable input."""
     backward_name = f"{spec.name}_backward"
     positional = spec.schema.positional
     outputs = spec.schema.returns
@@ -507,7 +489,7 @@ def _define_with_backward(spec: OpSpec) -> None:
 
     def views_in_saved(args: tuple, options: dict) -> dict:
         """{a gradient's place: the view of a saved tensor it is} (OpSpec.grads_in_saved), from the backward op's
-        leading arguments (the op's inputs, then the saved tensors)."""
+        arguments (the op's inputs, then the saved tensors)."""
         if spec.grads_in_saved is None:
             return {}
         a = spec.schema.bind(args[:len(positional)], {k: v for k, v in options.items() if k in keyword_defaults})
