@@ -1,16 +1,11 @@
 """How a backend is measured, by `python -m liger_dispatch tune` and the benchmark harness (benchmarks/) alike:
-one call's forward and backward, its agreement with a reference, its time and peak memory, and the host clocks.
+one call's forward and backward, its agreement with a reference (the relative norm of the difference, NaN when an
+output is missing, misshapen or not finite, so it never passes a tolerance), its time, and the host clocks.
 
-Time: on a GPU, CUDA events around each repetition, as triton.testing.do_bench takes them, with L2 flushed (a
-256 MB buffer zeroed) and gradients set to None before every call, warm-up included, both outside the timed
-window; with flush=False, no flush: what the previous repetition left in L2 stays (a repeated training step).
-Median and p20/p80. On the CPU (the harness's and tuning's own tests): a host clock.
-
-Agreement: the relative norm of the difference, per output and per gradient, the worst of each; NaN when an
-output is missing, misshapen or not finite, so it never passes a tolerance.
-
-The benchmarks' other clocks (host time, kernels per call, a CUDA graph's replay, memory, the GPU's rates) are
-theirs: benchmarks/clocks.py.
+Time on a GPU: CUDA events around each repetition, as triton.testing.do_bench takes them, with L2 flushed and
+gradients set to None before every call, both outside the timed window (flush=False keeps what the previous
+repetition left in L2: a repeated training step); median and p20/p80. On the CPU (the tests): a host clock.
+The benchmarks' other clocks are in benchmarks/clocks.py.
 """
 
 from __future__ import annotations
@@ -35,9 +30,6 @@ REP_MS = 500.0
 ROUNDS = 5
 # ||got - want|| / ||want||; bf16/fp16 operands land between 1e-3 and 1e-2, fp32 (or tf32 inside) near 3e-4.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 2e-3}
-
-
-# ---------------------------------------------------------------- one call
 
 
 @dataclass
@@ -101,12 +93,7 @@ def step(fn: Callable, sets: Sequence[Inputs], mode: str = "fwd+bwd") -> Callabl
     outside the timing, and backward keeps them for the next turn."""
     if mode == "bwd":
         graphs = itertools.cycle([(forward(fn, inputs), inputs) for inputs in sets])
-
-        def backward_only() -> None:
-            out, inputs = next(graphs)
-            backward(out, inputs, retain_graph=True)
-
-        return backward_only
+        return lambda: backward(*next(graphs), retain_graph=True)
     turn = itertools.cycle(sets)
     if mode == "fwd":
         def forward_only() -> None:
@@ -120,9 +107,6 @@ def step(fn: Callable, sets: Sequence[Inputs], mode: str = "fwd+bwd") -> Callabl
         backward(forward(fn, inputs), inputs)
 
     return forward_backward
-
-
-# ---------------------------------------------------------------- agreement
 
 
 def rel_err(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
@@ -153,9 +137,6 @@ def passes(errors: tuple[float, float], dtype: torch.dtype) -> bool:
     return all(e <= TOLERANCE[dtype] for e in errors)  # NaN compares False
 
 
-# ---------------------------------------------------------------- time and memory
-
-
 @dataclass(frozen=True)
 class Timing:
     ms: float
@@ -178,8 +159,7 @@ def wall_ms(fn: Callable, device: torch.device) -> float:
 
 def bench(fn: Callable, grads: Sequence[torch.Tensor], device: torch.device, *, warmup_ms: float, rep_ms: float,
           min_reps: int = 5, flush: bool = True) -> Timing:
-    """Median and p20/p80 of `fn` after warm-up; at least `min_reps` timed repetitions, each after its gradients
-    are reset and (unless flush=False) L2 is flushed, both outside the timed window."""
+    """Median and p20/p80 of `fn`'s timed repetitions (at least `min_reps`) after warm-up, as the module says."""
     return summarize(samples(fn, grads, device, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps, flush=flush))
 
 
@@ -236,9 +216,8 @@ def turns(items: list, rounds: int) -> Iterator[tuple[int, object]]:
 
 
 def _events(fn: Callable, grads: Sequence[torch.Tensor], *, reps: int, warmups: int, flush: bool) -> list[float]:
-    """triton.testing.do_bench's measurement, but every call, warm-up and estimate too, starts from reset gradients
-    (do_bench's estimate loop does not reset them: a CUDA-graphed backward's last gradients are overwritten by the
-    next replay, and autograd would read them to accumulate); one synchronization at the end."""
+    """triton.testing.do_bench's measurement, but every call starts from reset gradients (a CUDA-graphed backward's
+    last gradients are overwritten by the next replay, and autograd would read them to accumulate)."""
     cache = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
     for _ in range(warmups):
         reset_grads(grads)
@@ -261,9 +240,6 @@ def summarize(values: Sequence[float]) -> Timing:
         return Timing(values[0], values[0], values[0])
     q = statistics.quantiles(values, n=10, method="inclusive")
     return Timing(statistics.median(values), q[1], q[7])
-
-
-
 
 
 def l2_bytes(device: torch.device) -> int:

@@ -56,8 +56,8 @@ def randn(shape, dtype, device, std=1.0):
 
 def lm_head(n, hidden, vocab, dtype, device):
     """x [N, H] ~ N(0, 1) and W [V, H] ~ N(0, 1/H): logits of unit scale, as a trained head gives."""
-    return randn((n, hidden), dtype, device).requires_grad_(), randn((vocab, hidden), dtype, device,
-                                                                     hidden ** -0.5).requires_grad_()
+    x = randn((n, hidden), dtype, device).requires_grad_()
+    return x, randn((vocab, hidden), dtype, device, hidden ** -0.5).requires_grad_()
 
 
 def labels(n, vocab, device):

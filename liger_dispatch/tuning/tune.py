@@ -5,23 +5,17 @@ the table that auto selection reads (tuned.py).
     LIGER_TUNED_TABLE=$PWD/h200.json python train.py       # use it (or copy it to liger_dispatch/tuning/tables/)
 
 A point is one op at one shape, in the bucket tuned.bucket_of gives its call. Each backend is measured through
-`dispatch.op(op, backend=b)` with liger_dispatch.timing, as the benchmark harness measures a provider, through the
-same functions with the same defaults: one fwd+bwd call (also the compiling one) whose outputs and gradients are
-compared with the reference's where the reference's logits fit (points.CHECK_LOGITS; a backend that disagrees is
-reported and left out); then the backends of a point in turn over --rounds, at least --reps and --rep-ms of fwd+bwd
-repetitions after --warmup-ms, L2 flushed before each, the inputs rotated over copies where one set would fit in
-L2; the median. A backend whose capability or shape predicate turns the point down is not timed, nor is the
-reference: auto selection uses it only as the fallback. An existing table at --out made with the same key keeps
-its other entries, and the table lists the runs written into it before ("earlier").
+`dispatch.op(op, backend=b)` with liger_dispatch.timing, as the benchmark harness measures a provider, with the same
+defaults: one fwd+bwd call (also the compiling one) checked against the reference where the reference's logits fit
+(points.CHECK_LOGITS; a backend that disagrees is left out), then the point's backends in turn over --rounds, L2
+flushed, inputs rotated over copies where one set would fit in L2; the median. The reference is not timed: auto
+selection uses it only as the fallback. An existing table at --out with the same key keeps its other entries and
+lists the runs written into it before ("earlier").
 
-Only on a GPU: on the CPU the backends are the reference and the Triton and Helion interpreters, whose times say
-nothing about any kernel, so `tune` says so and exits 1 at once. It exits 1 without writing a table, too, when
-no backend but the reference can serve the ops here, and when no point was measured.
-
-Budget (--budget-s): a point, and each backend's measurement in it, starts only when its predicted time (Budget)
-fits in what is left; a point is measured whole or not at all (an entry that lacks a backend would rank it last).
-Memory: a point's inputs are first made on the meta device; one whose inputs and gradients would not fit in 90 %
-of the free memory is skipped, saying so.
+Only on a GPU: on the CPU the interpreters' times say nothing about any kernel. --budget-s: a point, and each
+backend's measurement in it, starts only when its predicted time fits in what is left; a point is measured whole
+or not at all (an entry that lacks a backend would rank it last). A point whose inputs and gradients (first made
+on the meta device) would not fit in 90 % of the free memory is skipped.
 """
 
 from __future__ import annotations
@@ -51,14 +45,10 @@ DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)
 MEMORY_FRACTION = 0.9  # of the free memory a point's inputs and gradients may take
 
 
-def _bytes(point: Point) -> int:
-    """The point's inputs and the gradients its leaves receive."""
-    return point.inputs.nbytes() + sum(t.numel() * t.element_size() for t in point.inputs.leaves)
-
-
 def too_large(sized: list[Point], device: torch.device) -> Optional[str]:
     """Why points (made on the meta device) do not fit in this device's free memory, or None."""
-    need = max((_bytes(p) for p in sized), default=0)
+    need = max((p.inputs.nbytes() + sum(t.numel() * t.element_size() for t in p.inputs.leaves) for p in sized),
+               default=0)  # the inputs and the gradients their leaves receive
     free = timing.free_bytes(device) if device.type == "cuda" else timing.host_free_bytes()
     if free is None or need <= MEMORY_FRACTION * free:
         return None
@@ -70,15 +60,12 @@ def backends_for(op: str, device: torch.device, dtype: torch.dtype, asked: Optio
                  ) -> tuple[list[str], dict[str, str]]:
     """(the backends to time for op here, {the others: why not}), the reference left out. A backend that serves
     but is not `asked` is among the others: an entry says nothing about a backend it did not measure."""
-    status = dispatch.backend_status(op, device, dtype)
     serving = [b for b in dispatch.available_backends(op, device=device, dtype=dtype) if b != REFERENCE]
     usable = [b for b in serving if asked is None or b in asked]
-    others = {b: why for b, why in status.items() if why is not None and b != REFERENCE}
+    others = {b: why for b, why in dispatch.backend_status(op, device, dtype).items()
+              if why is not None and b != REFERENCE}
     others.update({b: "not measured (--backends)" for b in serving if b not in usable})
     return usable, others
-
-
-# ---------------------------------------------------------------- running and timing
 
 
 class Budget:
@@ -101,11 +88,10 @@ class Budget:
             return 0.0
         nbytes, ms = last
         ms *= point.inputs.nbytes() / max(nbytes, 1)
-        if backend == REFERENCE:  # its one checking call
-            return ms / 1e3
-        calls = 1 + timing.rounds_calls(ms, self.rounds, warmup_ms=self.warmup_ms, rep_ms=self.rep_ms,
-                                        min_reps=self.reps)  # the checking call, then the rounds
-        return ms * calls / 1e3
+        if backend != REFERENCE:  # the checking call, then the rounds (the reference makes only the first)
+            ms *= 1 + timing.rounds_calls(ms, self.rounds, warmup_ms=self.warmup_ms, rep_ms=self.rep_ms,
+                                          min_reps=self.reps)
+        return ms / 1e3
 
     def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
         """Why measuring `backends` at `points` is predicted not to fit in what is left, or None."""
@@ -123,10 +109,9 @@ def _describe(exc: BaseException) -> str:
 
 def measure(sets: Sequence[Point], backends: list[str], dtype: torch.dtype, device: torch.device, budget: Budget,
             log) -> Optional[dict[str, float]]:
-    """{backend: ms} of the backends that serve the point and agree with the reference, timed as the benchmark
-    harness times a row: in turn over the rounds, each repetition on the next of `sets` (copies of one point, so
-    that its inputs are not in L2 from the last call); None when the budget does not reach every backend (no
-    entry is better than one missing a backend)."""
+    """{backend: ms} of the backends that serve the point and agree with the reference, timed in turn over the
+    rounds, each repetition on the next of `sets` (copies of one point, so that its inputs are not in L2 from the
+    last call); None when the budget does not reach every backend."""
     point, inputs = sets[0], sets[0].inputs
     why = budget.short([point], [REFERENCE, *backends])
     if why:
@@ -154,7 +139,7 @@ def measure(sets: Sequence[Point], backends: list[str], dtype: torch.dtype, devi
         try:
             got = timing.run(handle, inputs)  # also the first (compiling) call
             errors = timing.compare(got, want) if want is not None else None
-            got = None  # its gradients: the size of the leaves
+            got = None  # free its gradients (the leaves' size) before the timing
         except Exception as exc:  # one backend failing (out of memory, say) must not end the whole run
             log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
             continue
@@ -279,9 +264,10 @@ def run(args, device: str, dtype: torch.dtype, *, interpreted: bool = False) -> 
         return _refuse("no point was measured (the reasons are above)")
     out = Path(args.out)
     all_entries, earlier = merged(out, key, entries)
-    table = {"format": tuned.FORMAT, "key": key, "written": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
-        **({"earlier": earlier} if earlier else {}), "entries": all_entries}
+    written = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    table = {"format": tuned.FORMAT, "key": key, "written": written,
+             "command": "python -m liger_dispatch " + " ".join(sys.argv[1:]),
+             **({"earlier": earlier} if earlier else {}), "entries": all_entries}
     out.write_text(tuned.dumps(table))
     selection.reset()  # the tables read, and the selections and handles' plans made from them
     print(f"wrote {len(entries)} entries to {out}; use it with {settings.TUNED_TABLE.name}={out.resolve()}")

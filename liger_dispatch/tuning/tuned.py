@@ -1,28 +1,21 @@
 """Measured auto-selection: per-device tables of the fastest backend for each (op, dtype, shape bucket).
 
-`python -m liger_dispatch tune` (tune.py) times every backend that can serve each point on the current GPU and
-writes a table, keyed by what decides the kernels' times: the GPU's name and compute capability, the versions of
-the DSLs that generate the kernels (triton, helion, nvidia-cutlass-dsl) and torch's major.minor (its cuBLAS GEMMs
-and autograd). torch's patch level and build tag (+cu130, +cpu) are left out: 2.11.0+cu130 and 2.11.1+cu128 ship
-the same kernels and GEMM algorithms. A table whose key differs from this process's is ignored, never applied; a
-key written with torch's full version (older tables) is read as its major.minor. The committed tables are
-tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (os.pathsep-separated), whose entries
-win over the committed ones.
+`python -m liger_dispatch tune` (tune.py) writes a table keyed by what decides the kernels' times: the GPU's name
+and compute capability, the versions of the DSLs that generate the kernels (triton, helion, nvidia-cutlass-dsl) and
+torch's major.minor (its cuBLAS GEMMs and autograd; its patch level and build tag, +cu130 or +cpu, ship the same
+kernels). A table whose key differs from this process's is ignored, never applied. The committed tables are
+tables/*.json; LIGER_TUNED_TABLE (settings.TUNED_TABLE) names more files (os.pathsep-separated), whose entries win.
 
 Auto selection (no backend=, use_backend or LIGER_BACKEND*) consults the table before static priority: the
-backends the entry measured go first, fastest first, then the others in priority order, the reference last.
-Times within TIE of the fastest count as tied and keep their priority order: a smaller difference is within what
-one point varies between runs on the H200 (1-5 %), not evidence. A backend whose shape predicate turns a call
-down still yields to the next one.
+backends the entry measured go first, fastest first (within TIE of the fastest: tied, in priority order), then
+the others in priority order, the reference last. A backend whose shape predicate turns a call down still yields
+to the next one.
 
 Shape buckets (bucket_of): the rows N (the flattened leading dims) rounded up to a power of two, and the sizes and
-options that change which kernel wins, as the op's family declares them (OpSpec.tuning.bucket: V rounded up to a
-power of two, say, or an option that selects another kernel). A call whose N bucket has no entry takes the
-adjacent power of two's (same op, dtype and other fields), the larger on a tie; further away, static priority
-decides. Kernel-level ops have no buckets: they keep static priority.
-
-Per-call cost: the selector's memo key gains `lookup_key`, None unless a table for this device has the op, else
-the bucket tuple (~1 us to build).
+options that change which kernel wins, as the op's family declares them (OpSpec.tuning.bucket). A call whose N
+bucket has no entry takes the adjacent power of two's, the larger on a tie; further away, static priority decides.
+Kernel-level ops have no buckets. Per-call cost: lookup_key, None unless a table for this device has the op, else
+the bucket tuple (~1 us to build), joins the selector's memo key.
 """
 
 from __future__ import annotations
@@ -44,16 +37,14 @@ from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import LigerDispatchError
 
 FORMAT = 1
-TIE = 0.02  # measured times within 2 % of the fastest rank as equal
+# Times within 2 % of the fastest rank as equal: one point varies 1-5 % between runs on the H200.
+TIE = 0.02
 PACKAGED = Path(__file__).with_name("tables")
 LIBRARIES = ("torch", "triton", "helion", "nvidia-cutlass-dsl")
 
 
 class TunedTableError(LigerDispatchError):
     """A tuned table file that cannot be read or does not have the table format."""
-
-
-# ---------------------------------------------------------------- the key: which GPU and library versions
 
 
 def major_minor(version: Optional[str]) -> Optional[str]:
@@ -96,9 +87,6 @@ def describe_key(key: dict) -> str:
     return where + ", " + ", ".join(f"{lib} {key.get(lib)}" for lib in LIBRARIES)
 
 
-# ---------------------------------------------------------------- shape buckets
-
-
 def bucket_of(op: str, args: Sequence, kwargs: dict) -> Optional[tuple[int, tuple]]:
     """(N bucket, the op's other bucket fields) of a call, or None for an op without buckets."""
     tuning = TABLE.spec(op).tuning
@@ -112,9 +100,6 @@ def describe_rest(rest: tuple) -> str:
 
 def describe_bucket(n: int, rest: tuple) -> str:
     return f"n={n} {describe_rest(rest)}".rstrip()
-
-
-# ---------------------------------------------------------------- tables
 
 
 @dataclass(frozen=True)
@@ -144,11 +129,6 @@ class Entry:
         return f"({self.op}, {self.dtype}, {describe_bucket(self.n, self.rest)}) measured at {self.shape}: {times}"
 
 
-def _parse_rest(text: str) -> tuple:
-    pairs = (item.split("=", 1) for item in text.split())
-    return tuple((k, int(v) if v.isdigit() else v) for k, v in pairs)
-
-
 def read_table(path: Path) -> tuple[dict, list[dict]]:
     """(key, raw entries) of a table file; TunedTableError when it is not one."""
     try:
@@ -169,8 +149,10 @@ def dumps(table: dict) -> str:
 
 def _entry(raw: dict, source: str) -> Entry:
     ms = sorted(((b, float(t)) for b, t in raw["ms"].items()), key=lambda item: item[1])
-    return Entry(raw["op"], raw["dtype"], int(raw["n"]), _parse_rest(raw.get("bucket", "")), tuple(ms),
-                 raw.get("shape", ""), source, tuple(raw.get("unavailable", {})))
+    op, dtype, n = raw["op"], raw["dtype"], int(raw["n"])
+    pairs = (item.split("=", 1) for item in raw.get("bucket", "").split())  # describe_rest's text
+    rest = tuple((k, int(v) if v.isdigit() else v) for k, v in pairs)
+    return Entry(op, dtype, n, rest, tuple(ms), raw.get("shape", ""), source, tuple(raw.get("unavailable", {})))
 
 
 class DeviceTables:
@@ -231,9 +213,6 @@ def reset() -> None:
     """Forget the tables read (after writing a table file in this process)."""
     with _lock:
         _loaded.clear()
-
-
-# ---------------------------------------------------------------- what the selector calls
 
 
 def lookup_key(op: str, device: torch.device, args: Sequence, kwargs: dict):
