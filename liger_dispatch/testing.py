@@ -2,25 +2,16 @@
 
     import liger_dispatch.testing as lt
     result = lt.verify("mine")            # every op "mine" registers, and every user-level op it then serves
-    print(result.table()); assert result.passed, result.failures
+    result.table(); assert result.passed, result.failures
 
     python -m liger_dispatch verify --backend mine --import mylib.kernels [--device cuda] [--ops OP ...]
 
-For each op the backend serves, four checks, each a row of the result:
-- conformance: the op's cases (CASES: fresh random inputs, V not a multiple of any block, a single row, all
-  rows ignored, beta in {0, 0.5, 1}, T != 1, non-contiguous inputs, every reduction, empty batches, fp16 inputs
-  whose gradients pass fp16's range) against the float64 reference formulas (backends/reference/formulas.py), as
-  the relative Frobenius error of every output and gradient. A kernel-level op without cases of its own is
-  compared with the reference kernel on float64 copies of a sample (its outputs and what it writes in place; the
-  same dtypes where the op takes some tensors in fp32 only).
-- opcheck: `torch.library.opcheck` of torch.ops.liger_dispatch.<op> with the backend pinned (`backend=`).
-- compile: `torch.compile(fullgraph=True)` of a call (forward and backward for user-level ops), no graph break,
-  equal to eager.
-- cuda graph (CUDA only): a capture of the same call, forward and backward, replayed, equal to eager.
-Everything runs under LIGER_STRICT=1, so a call the backend cannot serve is a failure, not a silent fallback.
-
-tests/test_conformance.py drives the same cases over the in-tree backends. Each op family module in registry/
-declares its ops' cases and samples (CASES, SAMPLES); CASES and KERNEL_SAMPLES here are all of them, by op.
+Each op the backend serves gets a row per check, all under LIGER_STRICT=1 (a call it cannot serve fails rather than
+falls back): conformance (the op's CASES, declared by its op family module in registry/, against the float64
+formulas of backends/reference/formulas.py, as relative Frobenius errors of every output and gradient; a
+kernel-level op without cases against the reference kernel on float64 copies of its sample), opcheck
+(`torch.library.opcheck`, backend pinned), compile (`torch.compile(fullgraph=True)`, forward and backward, no
+graph break, equal to eager) and, on CUDA, cuda graph (a captured call replayed, equal to eager).
 """
 
 from __future__ import annotations
@@ -114,13 +105,12 @@ def _copies(inputs: dict, grad_names, widen=False) -> dict:
 
 def compare(op, backend, dtype, inputs, kwargs, grad_names, upstream=0.7, used=None,
             row_upstream=1.0) -> list[Measurement]:
-    """Calls the backend and the reference formula on copies of `inputs`, backpropagates the same upstream
-    gradient through both (random weights times `row_upstream` on each element of a per-row output, `upstream` on
-    a scalar) and measures outputs and the gradients of `grad_names` against the float64 truth. used: the outputs
-    backpropagated through (default all: the others' gradients are absent)."""
+    """The backend against the reference formula on copies of `inputs`: outputs, then the gradients of
+    `grad_names` from the same upstream gradient (random times `row_upstream` on a per-row output, `upstream` on
+    a scalar) through the outputs in `used` (default all)."""
     tol = TOLERANCE[dtype]
     mine = _copies(inputs, grad_names)
-    theirs = _copies(inputs, grad_names, widen=True)  # the truth from the same (already rounded) inputs
+    theirs = _copies(inputs, grad_names, widen=True)
     got = outputs(dispatch.op(op, backend=backend)(*mine.values(), **kwargs))
     want = outputs(getattr(formulas, op)(*theirs.values(), **kwargs))
     results, total_got, total_want = [], 0, 0
@@ -161,12 +151,12 @@ def empty_result(op, backend, inputs, kwargs) -> list[Measurement]:
     return results
 
 
-# ---------------------------------------------------------------- inputs
+# ---------------------------------------------------------------- inputs and cases
 
 
 def shapes(device) -> dict:
-    """The cases' sizes: tiny on the CPU (Triton and Helion kernels run in the interpreter there), real on a GPU;
-    V is a prime, a multiple of no block size."""
+    """The cases' sizes: tiny on the CPU (Triton and Helion run in the interpreter there), real on a GPU; V is a
+    prime, a multiple of no block size."""
     if torch.device(device).type == "cuda":
         return dict(N=512, H=256, V=4099, real=True)
     return dict(N=7, H=16, V=131, real=False)
@@ -174,9 +164,6 @@ def shapes(device) -> dict:
 
 def inputs_for(device, dtype) -> Inputs:
     return Inputs(torch.device(device), dtype, **shapes(device))
-
-
-# ---------------------------------------------------------------- cases
 
 
 def _by_op(table: str) -> dict:
@@ -242,8 +229,8 @@ def unavailable(op, backend, device, dtype) -> Optional[str]:
 
 
 def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
-    """The op's smallest call as (args, kwargs): a user-level op's sample case, or its kernel-level sample; tiny
-    shapes on any device. The differentiable arguments of a user-level op require grad."""
+    """The op's smallest call as (args, kwargs), tiny on any device: a user-level op's sample case (its
+    differentiable arguments requiring grad), or its kernel-level sample."""
     spec = TABLE.spec(op)
     small = Inputs(torch.device(device), dtype, **shapes("cpu"))
     with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
@@ -256,7 +243,7 @@ def sample_call(op, device, dtype=torch.float32) -> tuple[tuple, dict]:
 
 
 def _written(op) -> list:
-    """The parameters an op writes in place (`Tensor(a!)` in its schema)."""
+    """The parameters an op writes in place (`Tensor(a!)`)."""
     parsed = torch._C.parse_schema(TABLE.spec(op).schema_text)
     return [a for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
 
@@ -265,13 +252,6 @@ def _mutated(op) -> list[int]:
     """Positions of the positional parameters an op writes in place."""
     names = TABLE.spec(op).schema.names
     return [names.index(a.name) for a in _written(op) if not a.kwarg_only]
-
-
-def _widened(value):
-    """A copy of a floating tensor with dims in float64 (the reference's inputs), of another tensor as it is."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
-        return value.detach().double()
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _fresh(args: tuple, grad: bool = True) -> tuple:
@@ -300,12 +280,12 @@ def _against_eager(what: str, got, want) -> list[Measurement]:
 
 
 def check_kernel_against_reference(op, backend, device) -> list[Measurement]:
-    """A kernel-level op on its sample against the reference kernel on float64 copies: outputs and what it
-    writes in place."""
+    """A kernel-level op's sample against the reference kernel on float64 copies: outputs and what it writes."""
     args, kwargs = sample_call(op, device)
     mine = _fresh(args, grad=False)
     mine_kwargs, theirs_kwargs = _copies(kwargs, ()), _copies(kwargs, ())
-    theirs = tuple(_widened(a) for a in args)
+    theirs = tuple(leaf(a.double() if a.is_floating_point() and a.dim() else a, False)  # 0-dim ones keep their dtype
+                   if isinstance(a, torch.Tensor) else a for a in args)
     got = dispatch.op(op, backend=backend)(*mine, **mine_kwargs)
     try:
         want = dispatch.op(op, backend="reference")(*theirs, **theirs_kwargs)
@@ -426,6 +406,8 @@ class VerifyResult:
             text += "; nothing could run here, so nothing is verified"
         return text
 
+    __str__ = summary
+
     def table(self, console=None) -> None:
         """Prints the rows (rich) and the summary."""
         from rich import box
@@ -448,9 +430,6 @@ class VerifyResult:
                 console.print(f"{c.status.upper()} {c.id}: {c.detail}", style=style[c.status], highlight=False,
                               markup=False)
         console.print(self.summary(), style="green" if self.passed else "bold red", highlight=False)
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 @contextlib.contextmanager
@@ -476,10 +455,9 @@ def verify(backend: str, *, device=None, ops: Optional[Sequence[str]] = None, dt
            checks: Sequence[str] = CHECKS, progress: Optional[Callable[[CaseResult], None]] = None) -> VerifyResult:
     """Runs the conformance suite on `backend` (registered already, e.g. by importing its module).
 
-    device: "cpu" or "cuda" (default: CUDA when there is one). ops: a subset of the ops it serves (default: all).
-    dtypes: restrict the cases' dtypes. checks: a subset of CHECKS. progress(row) is called as each row is done.
-    Returns a VerifyResult; raises UnknownBackendError for a backend nobody registered, ValueError for an op it
-    does not serve."""
+    device: default CUDA when there is one. ops, dtypes, checks: subsets (default all). progress(row): called as
+    each row is done. Raises UnknownBackendError for a backend nobody registered, ValueError for an op it does not
+    serve or an unknown check."""
     device = torch.device(default_device() if device is None else device)
     mine = served_ops(backend)
     if not mine:

@@ -1,9 +1,8 @@
-"""Hugging Face's causal-LM loss (`ForCausalLMLoss`) from the final hidden states, through `flce`.
-
-Same semantics as transformers' loss: the target of position t is labels[t + 1] (the last position has none),
-`ignore_index` rows count for nothing, the mean is over the other rows, and with `num_items_in_batch` the loss
-is the sum divided by that count, so micro-batches of a gradient-accumulation step add up to the whole batch's
-mean. The logits are never materialized; the math is in fp32 from the logits on, as HF's `.float()` gives.
+"""Hugging Face's causal-LM loss (`ForCausalLMLoss`) from the final hidden states, through `flce`: the target of
+position t is labels[t + 1] (none at the last), `ignore_index` rows count for nothing, and the loss is the mean over
+the others or, with `num_items_in_batch`, their sum divided by that count (so the micro-batches of a gradient
+accumulation step add up to the whole batch's mean). The logits are never made; the math is in fp32 from the
+logits on, as HF's `.float()` gives.
 """
 
 from __future__ import annotations

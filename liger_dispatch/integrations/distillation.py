@@ -1,16 +1,12 @@
 """TRL's GKD distillation losses from final hidden states and LM-head weights, without logits.
 
-`generalized_jsd_loss` is TRL's `GKDTrainer.generalized_jsd_loss` (trl/experimental/gkd/gkd_trainer.py) computed
-by `fused_linear_jsd`. Both heads' logits are divided by `temperature`; q = softmax(student), p = softmax(teacher).
-beta = 0 is KL(p || q) (forward KL), beta = 1 is KL(q || p) (reverse KL), otherwise, with m = beta p + (1 - beta) q,
-beta KL(p || m) + (1 - beta) KL(q || m). TRL's beta is our `jsd_beta` as is, endpoints included (TRL special-cases
-0 and 1 exactly as we do; the tests compare the two). There is no T^2 factor, as in TRL, whose GKDTrainer calls
-the loss with temperature 1 (its `temperature` setting is the sampling temperature).
-
-Positions are TRL's: the distributions at position t are compared where labels[t + 1] != ignore_index, and
-without labels at every position but each sequence's last. The loss is the mean over those positions, or with
-`num_items_in_batch` their sum divided by it. `alpha` mixes in hard-label cross-entropy on the same positions:
-alpha * CE + (1 - alpha) * divergence. The teacher is never differentiated.
+`generalized_jsd_loss` is TRL's `GKDTrainer.generalized_jsd_loss` (trl/experimental/gkd/gkd_trainer.py) by
+`fused_linear_jsd`: q = softmax(student / temperature), p = softmax(teacher / temperature); beta = 0 is KL(p || q),
+beta = 1 is KL(q || p), otherwise beta KL(p || m) + (1 - beta) KL(q || m) with m = beta p + (1 - beta) q. TRL's
+beta is our `jsd_beta`, endpoints included; no T^2 factor, as in TRL (whose `temperature` is the sampling one).
+Positions are TRL's: t counts where labels[t + 1] != ignore_index (without labels, all but each sequence's last);
+the loss is their mean, or with `num_items_in_batch` their sum divided by it. `alpha` mixes in hard-label
+cross-entropy on the same positions: alpha * CE + (1 - alpha) * divergence. The teacher is never differentiated.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """RL and preference training over `fused_linear_logprobs`: per-token log-probs and entropy of a causal LM for given
-tokens without its logits, and TRL's losses on top of them, in plain PyTorch.
+tokens without its logits, and TRL 1.16's GRPO and DPO losses on top of them in plain PyTorch (written from
+trl/trainer/grpo_trainer.py and dpo_trainer.py `_compute_loss`, tested against them in tests/test_rl_integration.py).
 
     logps, entropy = per_token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep, temperature=0.9)
     loss = grpo_loss(logps, old_logps, advantages, completion_mask, loss_type="dapo")
     loss = dpo_sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1)
 
-The losses are TRL 1.16's (trl/trainer/grpo_trainer.py `_compute_loss`, dpo_trainer.py `_compute_loss`), written
-from its code and tested against it (tests/test_rl_integration.py):
-- GRPO, loss types "grpo" (per-sequence token means, then the batch mean), "bnpo" (the batch's token mean),
-  "dr_grpo" (the token sum over batch * max_completion_length), "dapo" (the token sum over num_items_in_batch,
-  default the tokens of this batch): importance ratio r = exp(logps - old_logps) per token (or per sequence), loss
-  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), plus beta times the k3 KL estimate exp(ref - logps) -
-  (ref - logps) - 1 to the reference model's log-probs. TRL divides grpo / bnpo / dr_grpo by the gradient
-  accumulation steps and rescales dapo's num_items_in_batch by its processes and steps; pass what it would.
-- DPO, sigmoid: mean of -(1 - ls) log sigmoid(beta d) - ls log sigmoid(-beta d), d = (chosen - ref_chosen) -
-  (rejected - ref_rejected) over summed sequence log-probs; label_smoothing = 0 is TRL 1.16's "sigmoid" (which has
-  no smoothing; ls > 0 is the conservative DPO of earlier TRL releases).
-
-GRPOTrainer: TRL 1.16 gets its per-token log-probs and entropies from `_get_per_token_logps_and_entropies`; a
-subclass that answers it with this module's helper trains through the op (the test checks one step's loss and
-gradients against TRL's own fused head):
+A GRPOTrainer subclass trains through the op (text-only models, no MoE aux loss; unwrap an accelerate-wrapped model
+first if your setup wraps it):
 
     class FusedGRPOTrainer(GRPOTrainer):
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
@@ -28,8 +16,6 @@ gradients against TRL's own fused head):
             logps, entropy = per_token_logps_and_entropy(model, input_ids, attention_mask, logits_to_keep,
                                                          temperature=self.temperature)
             return logps, (entropy if compute_entropy else None), None
-
-(text-only models, no MoE aux loss; `model` may be the accelerate-wrapped one: unwrap it first if your setup wraps.)
 """
 
 from __future__ import annotations
@@ -75,7 +61,10 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: Optional[torch
               epsilon: float = 0.2, epsilon_high: Optional[float] = None, loss_type: str = "dapo",
               importance_sampling_level: str = "token", max_completion_length: Optional[int] = None,
               num_items_in_batch: Union[None, int, torch.Tensor] = None) -> torch.Tensor:
-    """TRL 1.16's GRPO objective from per-token log-probs [B, T] (the module docstring says the loss types).
+    """TRL 1.16's GRPO objective from per-token log-probs [B, T]: the clipped importance ratio (per token or per
+    sequence) times the advantages, plus beta times the k3 estimate of the KL to the reference model's log-probs,
+    reduced as `loss_type` says. TRL divides grpo / bnpo / dr_grpo by its gradient accumulation steps and rescales
+    dapo's num_items_in_batch by its processes and steps: pass what it would.
 
     old_per_token_logps: the sampling policy's (None: this one's, detached: ratio 1, TRL's num_iterations = 1).
     advantages: [B] or [B, T]. completion_mask: [B, T], 1 for the tokens that count."""
@@ -112,7 +101,8 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: Optional[torch
 def dpo_sigmoid_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
                      ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, label_smoothing: float = 0.0
                      ) -> torch.Tensor:
-    """The sigmoid DPO loss from summed sequence log-probs [B] of the policy and the reference model."""
+    """The sigmoid DPO loss from summed sequence log-probs [B] of the policy and the reference model
+    (label_smoothing 0: TRL 1.16's "sigmoid"; > 0: the conservative DPO of earlier TRL releases)."""
     delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
     loss = -(1 - label_smoothing) * F.logsigmoid(beta * delta)
     if label_smoothing:

@@ -4,19 +4,13 @@
     model = patch(AutoModelForCausalLM.from_pretrained(...))     # this instance only; unpatch(model) undoes it
     out = model(input_ids, labels=labels)                         # out.loss by flce; out.logits is None
 
-How: the instance's forward is wrapped. A call with `labels` runs the model's own forward with labels=None and a
-`logits_to_keep` that keeps no position (so its lm_head projects nothing and it computes no loss), while a hook
-on its base model keeps the final hidden states. The wrapper applies the caller's `logits_to_keep` to those and
-computes HF's loss from them and the lm_head's weight and bias (`causal_lm.causal_lm_loss`: labels shifted by
-one, ignore_index, num_items_in_batch, shift_labels), with the family's final_logit_softcapping as softcap. The
-output is the model's own, with `loss` set and `logits` None. No part of HF's forward is copied: a release that
-reorganizes it keeps working as long as the forward takes `labels` and `logits_to_keep`, runs `model.base_model`
-once and projects with the output embeddings, which is checked when patching and on every call. A call without
-labels, or with `return_logits=True`, runs the forward untouched. `return_token_accuracy=True` (liger-kernel's
-option) adds the output field `token_accuracy`: the fraction of the positions with a target whose target's logit
-is the max, as flce computes it.
-
-`distillation_loss(student, teacher, ...)` is TRL's GKD loss between two such models (`distillation` module).
+With labels, the wrapped forward runs the model's own with labels=None and a `logits_to_keep` that keeps no
+position, takes the final hidden states by a hook on its base model, and computes HF's loss from them
+(`causal_lm.causal_lm_loss`, the family's final_logit_softcapping as softcap). No part of HF's forward is
+copied: it must take `labels` and `logits_to_keep`, run `model.base_model` once and project with the output
+embeddings, which is checked when patching and on every call. Without labels, or with `return_logits=True`, the
+forward runs untouched; `return_token_accuracy=True` (liger-kernel's option) adds the output field `token_accuracy`.
+`distillation_loss(student, teacher, ...)` is TRL's GKD loss between two such models.
 """
 
 from __future__ import annotations
@@ -68,9 +62,8 @@ class _Patch:
 def patch(model, *, backend: Optional[str] = None):
     """Patches a causal-LM instance in place (see the module docstring) and returns it.
 
-    backend: pins the flce backend for this model; None follows `use_backend`, LIGER_BACKEND_FLCE,
-    LIGER_BACKEND, then the automatic choice. Patching again replaces the options; `unpatch` restores.
-    Raises UnsupportedModelError for a model whose head or loss the fused loss would not reproduce.
+    backend: pins the flce backend for this model (None: the usual selection). Patching again replaces the
+    options; `unpatch` restores. Raises UnsupportedModelError for a model whose loss would change.
     """
     family = _family(model)
     previous = vars(model).get(_STATE)
@@ -92,9 +85,8 @@ def unpatch(model):
     state = vars(model).pop(_STATE, None)
     if state is None:
         raise ValueError(f"this {type(model).__name__} is not patched")
-    bound_class_forward = (getattr(state.original, "__self__", None) is model
-                           and getattr(state.original, "__func__", None) is type(model).forward)
-    if bound_class_forward:
+    if (getattr(state.original, "__self__", None) is model  # the class's own forward: drop our attribute
+            and getattr(state.original, "__func__", None) is type(model).forward):
         del model.forward
     else:
         model.forward = state.original
@@ -175,10 +167,9 @@ def distillation_loss(student, teacher, labels: Optional[torch.Tensor] = None, *
                       backend: Optional[str] = None, **inputs) -> torch.Tensor:
     """TRL's GKD loss (distillation.generalized_jsd_loss) of `student` against `teacher` on the same inputs.
 
-    Both are supported causal LMs sharing a vocabulary; their final hidden states come from their own forwards
-    (`final_hidden_states`), the teacher's under no_grad (put it in eval mode yourself, as TRL does). `labels`
-    [..., T] are unshifted (-100 where no loss); `inputs` are the forwards' keywords (input_ids, attention_mask).
-    A head with a bias or a final softcap is refused: fused_linear_jsd has neither.
+    Both are supported causal LMs sharing a vocabulary, without an lm_head bias or a softcap (fused_linear_jsd has
+    neither); the teacher runs under no_grad (put it in eval mode yourself, as TRL does). `labels` [..., T] are
+    unshifted; `inputs` are the forwards' keywords (input_ids, attention_mask).
     """
     student_weight = _distillation_head(student, "student")
     teacher_weight = _distillation_head(teacher, "teacher")
