@@ -31,11 +31,10 @@ class _Dispatched(torch.nn.Module):
 class FusedLinearCrossEntropyLoss(_Dispatched):
     """Cross-entropy of `input @ weight.T (+ bias)` against `target`, without materializing the logits.
 
-    The options of liger-kernel's LigerFusedLinearCrossEntropyLoss: `ce_weight` [V], class weights as torch's
-    F.cross_entropy `weight=` (a buffer: it moves with the module, outside the state dict); with `return_z_loss` or
-    `return_token_accuracy` forward returns a CrossEntropyOutput (loss, z_loss, token_accuracy), the accuracy being
-    the fraction of rows whose target's logit is the row's max (a tie counts as predicted; argmax takes the first).
-    """
+    The options of liger-kernel's LigerFusedLinearCrossEntropyLoss: `ce_weight` [V], class weights as F.cross_entropy's
+    `weight=` (a buffer outside the state dict); with `return_z_loss` or `return_token_accuracy` forward returns a
+    CrossEntropyOutput (loss, z_loss, token_accuracy), the accuracy being the fraction of rows whose target's logit
+    is the row's max (a tie counts as predicted; argmax takes the first)."""
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  softcap: Optional[float] = None, lse_square_scale: float = 0.0,
@@ -102,13 +101,11 @@ class LMHeadLoss(torch.nn.Module):
     """An LM head whose forward is a fused loss instead of logits: `forward(hidden, *loss_args)` is
     `loss(hidden, self.weight, *loss_args)` (with `bias=self.bias` for cross-entropy).
 
-    The module owns the head's parameters, so the hooks of whatever wraps it run around the loss: under FSDP2
-    (`fully_shard(head)`, or sharding a parent) the pre-forward hook gathers the weight before the loss reads it and
-    the post-backward hook reduce-scatters its gradient, exactly as for the nn.Linear it replaces. A loss reading
-    `lm_head.weight` outside any forward would see the sharded parameter instead. The state dict holds `weight`
-    (and `bias`) as a Linear's does, so `LMHeadLoss.from_linear(model.lm_head, loss)` can take its place.
-    A weight that is a DTensor sharded on the vocabulary (tensor parallelism) takes the vocab-parallel path.
-    """
+    Owning the head's parameters puts the loss inside the wrapper's hooks: under FSDP2 the weight is gathered before
+    the loss reads it and its gradient reduce-scattered after, as for the nn.Linear it replaces (a loss reading
+    `lm_head.weight` outside any forward sees the sharded parameter). The state dict matches a Linear's, so
+    `LMHeadLoss.from_linear(model.lm_head, loss)` takes its place; a DTensor weight sharded on the vocabulary
+    (tensor parallelism) takes the vocab-parallel path."""
 
     def __init__(self, in_features: int, out_features: int, loss: Optional[torch.nn.Module] = None, *,
                  bias: bool = False, device=None, dtype=None):

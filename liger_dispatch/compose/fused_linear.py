@@ -1,22 +1,17 @@
 """The chunk driver of the fused-linear losses: what every op family's composition runs, for every backend.
 
-Per chunk of rows: logits = x_c @ W.T (+ bias) by cuBLAS into one reused buffer; the backend's
-kernel-level op turns that buffer into d(loss)/d(logits) in place and returns the per-row loss;
-then dX_c = G @ W and dW += G.T @ x_c (addmm in place). The gradient is produced in the forward pass
-for scalar reductions; for reduction="none" the backward runs the loop again with the per-row grad_output
-as row_weights (the gradient of sum_i w_i loss_i).
+Per chunk of rows: logits = x_c @ W.T (+ bias) by cuBLAS into one reused buffer; the backend's kernel-level op
+overwrites it with d(loss)/d(logits) and returns the per-row loss; then dX_c = G @ W and dW += G.T @ x_c (addmm in
+place). Scalar reductions make the gradient in the forward; reduction="none" runs the loop again in the backward
+with the per-row grad_output as row weights (the gradient of sum_i w_i loss_i).
 
-The chunk size comes from a memory budget for the chunk's logits buffers (LIGER_CHUNK_BUDGET_MB,
-default 512), so a small batch runs as one chunk instead of being cut into a fixed count of
-launch-bound pieces; LIGER_CHUNK_ROWS forces a row count (tests, tuning). (Running the loss kernel on a
-second stream to overlap the GEMMs was measured slower on the H200 by 0.1-2.3 ms: benchmarks/NOTES.md.)
+Rows per chunk come from a memory budget for the logits buffers (LIGER_CHUNK_BUDGET_MB, default 512), so a small
+batch is one chunk rather than launch-bound pieces; LIGER_CHUNK_ROWS forces a count (tests, tuning). Running the
+loss kernel on a second stream to overlap the GEMMs measured 0.1-2.3 ms slower on the H200 (benchmarks/NOTES.md).
 
-Vocab-parallel (liger_dispatch/compose/vocab_parallel.py): `weight` is this rank's slice of the vocabulary and the
-kernel-level op combines per-row statistics over the ranks; the shard passed as `vocab_parallel` sizes every
-rank's chunks for the widest slice (so all ranks make the same collectives), makes the fp16 gradient bound hold
-for every slice, sums dX over the ranks, and gives a mean over the vocabulary its whole size (`total`). The compositions take
-`process_group` because the op's schema has it; the dispatcher sends a call that sets it to the vocab-parallel
-driver, which builds them with the shard.
+Vocab-parallel (vocab_parallel.py): `weight` is this rank's vocabulary slice; the VocabShard passed as
+`vocab_parallel` sizes chunks for the widest slice (all ranks make the same collectives), makes the fp16 gradient
+bound hold on every slice and sums dX over the ranks.
 """
 
 from __future__ import annotations
@@ -48,9 +43,8 @@ def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
 
 
 def grad_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype of the gradient of t that leaves the forward pass: fp32 for fp16 t, whose gradient of the loss
-    itself (grad_loss = 1) may exceed fp16's range where the one the backward scales by grad_loss does not
-    (autograd casts the scaled one to t's dtype); t's own dtype otherwise."""
+    """The dtype of t's gradient leaving the forward: fp32 for fp16 t, since the unscaled gradient (grad_loss = 1)
+    may overflow fp16 where the one autograd scales by grad_loss and casts to t's dtype does not; else t's dtype."""
     return torch.float32 if t.dtype == torch.float16 else t.dtype
 
 
@@ -97,22 +91,21 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
                want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
-    """Runs the chunk loop. `chunk_loss(logits, start, end, scale)` overwrites logits with scale times its
-    gradient and returns the per-row loss; `grad_scale` (0-d or [N], on the device) weights the rows.
-    row_bound: a bound of each row's gradient L1 norm (the op family's grad_bound), asked for fp16 inputs only.
-    extra_bytes_per_logit: what chunk_loss keeps per logit of its own (a teacher's logits), for the budget.
-    vocab_parallel: the VocabShard of a vocab-parallel call, or None.
-    Returns (loss_rows fp32 [N], dx, dw, db); unwanted grads are None."""
+    """Runs the chunk loop: (loss_rows fp32 [N], dx, dw, db), None for an unwanted gradient.
+
+    chunk_loss(logits, start, end, scale) overwrites logits with scale times their gradient and returns the per-row
+    loss; grad_scale (0-d or [N], on the device) weights the rows. row_bound: a bound of each row's gradient L1 norm
+    (the family's grad_bound), asked for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit
+    (a teacher's logits), for the budget. vocab_parallel: the VocabShard of a vocab-parallel call, or None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
     if x.dtype == torch.float16 and n > 0:
         bound = row_bound() if vocab_parallel is None else vocab_parallel.bound_over_ranks(row_bound, x, vocab)
         if vocab:  # an empty vocabulary slice (vocab-parallel) writes no gradient
             kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
-    if unscale is not None:
-        accum_dtype = torch.float32
-    widest = vocab if vocab_parallel is None else vocab_parallel.widest
-    rows = chunk_rows(n, widest, x.element_size() + extra_bytes_per_logit)
+            accum_dtype = torch.float32
+    rows = chunk_rows(n, vocab if vocab_parallel is None else vocab_parallel.widest,
+                      x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
     dw = _WeightGrad(weight, accum_dtype) if want_dw else None
@@ -130,10 +123,9 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             dw.add(logits, x_c)
         if db is not None:
             db += logits.sum(0, dtype=db.dtype)
-    if len(losses) == 1:
-        loss_rows = losses[0]
-    else:  # several chunks, or none (an empty batch)
-        loss_rows = torch.cat(losses) if losses else torch.zeros(0, dtype=torch.float32, device=x.device)
+    if not losses:  # an empty batch
+        losses.append(torch.zeros(0, dtype=torch.float32, device=x.device))
+    loss_rows = losses[0] if len(losses) == 1 else torch.cat(losses)
     if dx is not None:
         dx = dx.to(grad_dtype(x))
     if unscale is not None:

@@ -1,14 +1,11 @@
 """fp16 gradient buffers: the factor the kernels write d loss / d logits at, from a bound on each row's gradient.
 
-Per-logit gradients (~1/V, times 1/N for a mean) sit below fp16's smallest normal (6e-5) and lose their digits,
-so for fp16 inputs the kernels write the gradient times one factor, and the GEMM outputs (dX, dW, db) are scaled
-back. The factor follows the data: each op bounds the L1 norm of a row's gradient from its inputs, on the device
-(no host sync); that bounds every logit's gradient and, times max |W|, every entry of dX, so the factor brings the
-largest possible value to LIMIT and neither the buffer nor dX overflows, however large the gradients get (a
-strong z-loss, a low temperature, an unnormalized KL target).
-
-Each op family bounds its own rows' gradients (its grad_bound, in registry/); these are the pieces they share.
-A logit's magnitude is bounded by |x_i| max_j |w_j| + max |b| (Cauchy-Schwarz), from norms of the inputs.
+Per-logit gradients (~1/V, times 1/N for a mean) fall below fp16's smallest normal (6e-5) and lose their digits, so
+for fp16 inputs the kernels write the gradient times one factor and dX, dW, db are scaled back. Each op family
+bounds the L1 norm of a row's gradient from its inputs on the device (its grad_bound, in registry/; no host sync);
+that bounds every logit's gradient and, times max |W|, every entry of dX, so the factor brings the largest possible
+value to LIMIT and nothing overflows however large the gradients get (a strong z-loss, a low temperature, an
+unnormalized KL target). A logit's magnitude is bounded by |x_i| max_j |w_j| + max |b| (Cauchy-Schwarz).
 """
 
 from __future__ import annotations

@@ -1,24 +1,23 @@
-"""The vocabulary-chunk driver: for an op whose backward runs after its forward, because its upstream gradients
-are known only then (an RL loss comes after the per-token log-probs), so the gradient cannot be made in the
-forward's chunk loop as fused_linear.py makes it.
+"""The vocabulary-chunk driver, for an op whose upstream gradients are known only after its forward (an RL loss
+comes after the per-token log-probs), so the gradient cannot be made in the forward's loop as fused_linear.py does.
 
-Its chunks are slices of the vocabulary, all rows each: a slice of dW (and db) is one GEMM over every row, written
-once and rounded once, as an unchunked matmul's would be, where chunks of rows would add into dW in its own dtype
-once a chunk (a bf16 error growing with the chunk count, and dW re-read and re-written every chunk). dX sums over
-the slices in fp32. The slices' row statistics combine as the ranks' of a vocab-parallel call do.
+Chunks are vocabulary slices, all rows each: a slice of dW (and db) is one GEMM over every row, rounded once as an
+unchunked matmul's would be (chunks of rows would add into dW in its own dtype once a chunk: a bf16 error growing
+with the chunk count, and dW re-read each chunk). dX sums over the slices in fp32. Slice statistics combine as a
+vocab-parallel call's ranks' do.
 
-Memory (`Layout`): when [N, V] fits in LIGER_CHUNK_BUDGET_MB it is kept whole, in a buffer of its own. Beyond it,
-the logits the forward keeps for the backward live in the memory dW will take: one byte buffer holds dW in its
-first bytes, and since the backward writes slice j of dW only after it has read slice j's logits, those may lie
-where the later slices of dW go. That buffer is dW's size plus the budget (which then also counts dX's fp32
-accumulator): every slice kept when they fit (N <= H in one dtype always does: a slice's logits are no larger than
-its dW), else the first slices kept and the others recomputed in the backward into a slice past dW (2 N H FLOPs a
-recomputed column). LIGER_CHUNK_COLUMNS forces the slice width. The backward's dW is then a view of the buffer at
-offset 0, so the bytes past it (kept slices, the recompute slice) stay allocated as long as that gradient does.
+Memory (`Layout`): [N, V] within LIGER_CHUNK_BUDGET_MB is kept whole, in a buffer of its own. Beyond it, the kept
+logits live in the memory dW will take: one byte buffer holds dW in its first bytes, and since the backward writes
+slice j of dW only after reading slice j's logits, those may lie where later slices of dW go. The buffer is dW's
+size plus the budget (which then also counts dX's fp32 accumulator): every slice kept when they fit (always for
+N <= H in one dtype: a slice's logits are no larger than its dW), else the first slices kept and the others
+recomputed in the backward into a slice past dW (2 N H FLOPs a column). LIGER_CHUNK_COLUMNS forces the slice width.
+The backward's dW is a view of the buffer at offset 0, so the bytes past it stay allocated as long as it does.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -88,13 +87,12 @@ def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
     if not width:
         width = vocab if n_rows * vocab * logit <= budget else max(
             COLUMN_ALIGN, budget // RECOMPUTE_SHARE // max(1, n_rows * logit) // COLUMN_ALIGN * COLUMN_ALIGN)
-    slices = tuple(_slices(vocab, width))
+    # an empty vocabulary slice (vocab-parallel) is one empty chunk
+    slices = tuple((start, min(start + width, vocab)) for start in range(0, vocab, width)) if vocab else ((0, 0),)
     sizes = [n_rows * (end - start) * logit for start, end in slices]
     if sum(sizes) <= budget:  # the logits alone fit: kept in a buffer of their own, dW made in the backward
-        offsets = [0]
-        for size in sizes[:-1]:
-            offsets.append(offsets[-1] + _aligned(size))
-        return Layout(n_rows, x.dtype, slices, tuple(offsets), 0, 0, offsets[-1] + sizes[-1])
+        offsets = tuple(itertools.accumulate((_aligned(size) for size in sizes[:-1]), initial=0))
+        return Layout(n_rows, x.dtype, slices, offsets, 0, 0, offsets[-1] + sizes[-1])
     limit = grad_bytes + budget - (n_rows * hidden * 4 if len(slices) > 1 else 0)
     offsets, end = [], 0
     for (_, end_column), size in zip(slices, sizes):  # past dW's slices 0..j (written before j is read), past j-1
@@ -111,12 +109,6 @@ def layout(x: torch.Tensor, weight: torch.Tensor) -> Layout:
         kept -= 1
     at = recompute_at(kept)
     return Layout(n_rows, x.dtype, slices, tuple(offsets[:kept]), at, grad_bytes, at + sizes[0])
-
-
-def _slices(vocab: int, width: int) -> list[tuple[int, int]]:
-    if not vocab:  # an empty vocabulary slice (vocab-parallel): one empty chunk
-        return [(0, 0)]
-    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
 
 
 def _rows_of(weight: torch.Tensor, bias: Optional[torch.Tensor], start: int, end: int):

@@ -1,13 +1,11 @@
 """Vocab-parallel (tensor-parallel) fused-linear losses: each rank of a process group holds a contiguous slice of
 the LM head's vocabulary, in rank order (sizes may differ), and the same input rows.
 
-The shared chunked composition (fused_linear.py) runs unchanged on this rank's slice; only the kernel-level op
-changes. Per chunk of C rows, the selected backend's statistics pass reads the slice's logits, the per-row
-statistics of every rank are all-gathered ([W, C, k] fp32) and combined in the same order on every rank
-(log-sum-exp for the lse columns, sums for the others; one collective instead of an all-reduce MAX followed by
-an all-reduce SUM), and the gradient pass writes the slice's gradient over the chunk's logits from the global
-statistics. The loss rows follow from the global statistics, so every rank computes the same loss and no [N, V]
-buffer exists anywhere. Collectives of one call:
+The chunk driver (fused_linear.py) runs unchanged on this rank's slice; only the kernel-level op changes. Per chunk
+of C rows, the backend's statistics pass reads the slice's logits; every rank's per-row statistics are all-gathered
+([W, C, k] fp32) and combined in the same order on every rank (one collective, not an all-reduce MAX then SUM); the
+gradient pass writes the slice's gradient from the global statistics. Every rank computes the same loss, and no
+[N, V] buffer exists anywhere. Collectives of one call:
 
     vocab sizes (process_group= only; a DTensor's split is known)    1 all-gather of W int64, read on the host
     per chunk, the statistics (the op family's layout)               1 all-gather of [C, k] fp32 (and what the
@@ -17,21 +15,15 @@ buffer exists anywhere. Collectives of one call:
 
 A loss per row (reduction="none") runs its chunks again in the backward (sizes and statistics again, then dX).
 
-What is specific to an op is its family's `VocabParallel` declaration (OpSpec.vocab_parallel): the weight argument,
-the tensors split like the vocabulary and those every rank holds whole, and the composition's kernel-level op over
-one slice (made from the shard and the vocab-parallel kernel-level ops). Where it plugs in: the dispatcher serves a
-user-level call whose `process_group` is set with `serving(spec, impl, a, pinned)`, the driver on the selected
-implementation's backend (its kernel-level vocab-parallel ops); process_group is a
-ProcessGroup, its group name (the torch op's string argument), or the VocabShard `localized` made. A weight that is
-a DTensor sharded on dim 0 over a 1-D mesh is `localized` by the handle first: the input must then be a DTensor too
-(redistributed to Replicate), the other vocab-sliced tensors (bias, the teacher's weight, the KL target) DTensors
-sharded like it, and the call proceeds on the local tensors, so the loss is a plain tensor and the weight's
-gradient a DTensor shard.
+An op family declares its path with a `VocabParallel` (OpSpec.vocab_parallel). The dispatcher serves a call whose
+`process_group` is set (a ProcessGroup, its name, or the VocabShard `localized` made) by `serving`. A weight that is
+a DTensor sharded on dim 0 over a 1-D mesh is `localized` first: the input must be a DTensor too (redistributed to
+Replicate), the other vocab-sliced tensors DTensors sharded like it, and the call runs on the local tensors, so the
+loss is a plain tensor and the weight's gradient a DTensor shard.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -44,17 +36,16 @@ from liger_dispatch.errors import InputError
 from liger_dispatch.core.schema import Args
 from liger_dispatch.core.table import TABLE
 
+
 @dataclass(frozen=True)
 class VocabParallel:
     """How an op family's user-level loss runs with its vocabulary split over a process group.
 
-    weight: the argument that is this rank's slice of the vocabulary.
-    sliced: the tensors split like the vocabulary, name -> dim.
+    weight: the argument that is this rank's slice. sliced: the tensors split like the vocabulary, name -> dim.
     replicated: the tensors every rank holds whole, name -> whether a plain tensor is accepted beside a DTensor
-        weight (the input is not, so a sharded FSDP parameter read outside its forward is refused instead of taken
-        for a vocabulary slice).
-    kernel: kernel(shard, kernels) -> the composition's kernel-level op over this rank's slice, where
-        kernels(op, *args, **kwargs) runs a vocab-parallel kernel-level op of the selected backend.
+    weight (not for the input: a sharded FSDP parameter read outside its forward is refused, not taken for a slice).
+    kernel(shard, kernels): the composition's kernel-level op over this rank's slice, where
+    kernels(op, *args, **kwargs) runs a vocab-parallel kernel-level op of the selected backend.
     """
 
     weight: str
@@ -74,7 +65,7 @@ def serving(spec, impl, a: Args, pinned: tuple[str, ...]) -> Callable:
     if getattr(a, "process_group", None) is None:
         return impl.fn
     kernels = _Kernels(impl.backend if pinned else None)
-    return _DriverWithBackward(spec, kernels) if spec.saved else functools.partial(_driver, spec, kernels)
+    return (_DriverWithBackward if spec.saved else _Driver)(spec, kernels)
 
 
 def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
@@ -128,16 +119,13 @@ class VocabShard:
 
     @classmethod
     def of(cls, process_group, weight: torch.Tensor) -> "VocabShard":
-        """The shard of a call: the one `localized` made, or the slice sizes of process_group's ranks exchanged."""
+        """The shard of a call: the one `localized` made, or the slice sizes of process_group's ranks all-gathered
+        (one collective and one host read)."""
         if isinstance(process_group, VocabShard):
             return process_group
-        return cls.exchange(resolve_group(process_group), weight.shape[0], weight.device)
-
-    @classmethod
-    def exchange(cls, group, size: int, device: torch.device) -> "VocabShard":
-        """Every rank's slice size, all-gathered (one collective and one host read)."""
+        group, device = resolve_group(process_group), weight.device
         sizes = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-        _all_gather(sizes, torch.tensor([size], dtype=torch.int64, device=device), group=group)
+        _all_gather(sizes, torch.tensor([weight.shape[0]], dtype=torch.int64, device=device), group=group)
         return cls.from_sizes(group, sizes.tolist())
 
     def combine(self, stats: torch.Tensor, lse_columns: int, max_columns: int = 0) -> torch.Tensor:
@@ -157,11 +145,10 @@ class VocabShard:
 
     def bound_over_ranks(self, row_bound: Callable, x: torch.Tensor, vocab: int) -> torch.Tensor:
         """A bound of each row's gradient L1 norm on every slice (fp16 buffers, grad_bounds.py): the sum over the
-        ranks of each slice's own bound ([N] fp32 for the N rows of x, one all-reduce). A slice's bound, computed from its own
-        tensors, need not hold for the others: its lse bound misses the other slices' logits, its KL mass the
-        other slices' target mass. The sum covers them: the KL gradient's L1 norm on a slice is at most
-        (total mass + slice mass) / T, and the log-softmax losses' bounds grow with each slice's logit bound and log of its
-        width, whose sums exceed their maximum and log of the total width (slices of at least 2 columns)."""
+        ranks of each slice's own bound ([N] fp32, one all-reduce). One slice's bound need not hold for the others
+        (its lse bound misses their logits, its KL mass their target mass); the sum does: a KL gradient's L1 norm on
+        a slice is at most (total mass + slice mass) / T, and the log-softmax bounds grow with each slice's logit
+        bound and log of its width, whose sums exceed their max and log of the total width (slices of 2+ columns)."""
         local = row_bound() if vocab else 0.0
         total = torch.as_tensor(local, dtype=torch.float32, device=x.device).broadcast_to(x.shape[:1]).contiguous()
         self.sum_over_ranks(total)
@@ -194,9 +181,6 @@ class _Kernels:
             pinned = (self.backend,) if implements else ()
             fn = self._fns[op] = calls.kernel(TABLE.spec(op), pinned, args, kwargs)
         return fn(*args, **kwargs)
-
-
-# ---------------------------------------------------------------- where the tensors are
 
 
 def _dtensor_types():
@@ -253,29 +237,26 @@ class _DTensorLayout:
                          "too: read the weight inside the forward (liger_dispatch.nn.LMHeadLoss)")
 
 
-def _composed(spec, kernels: _Kernels, process_group, args: tuple, options: dict):
-    """The op's composition of the family's kernel(s) over this rank's slice (VocabParallel.kernel may give several:
-    one per op of composed_of)."""
-    weight = args[1] if len(args) > 1 else options[spec.vocab_parallel.weight]
-    shard = VocabShard.of(process_group, weight)
-    fns = spec.vocab_parallel.kernel(shard, kernels)
-    return spec.compose(*(fns if isinstance(fns, tuple) else (fns,)), shard)
-
-
-def _driver(spec, kernels: _Kernels, *args, process_group, **options):
-    """A user-level loss over this rank's slice."""
-    return _composed(spec, kernels, process_group, args, options)(*args, **options)
-
-
-class _DriverWithBackward:
-    """An op with a backward of its own (OpSpec.saved) over this rank's slice: both passes on the composition made
-    for the slice (the backward makes it again: a process_group's slice sizes are exchanged once more)."""
+class _Driver:
+    """A user-level loss over this rank's slice: the op's composition of the family's kernel(s) for the slice."""
 
     def __init__(self, spec, kernels: _Kernels):
         self.spec, self.kernels = spec, kernels
 
     def __call__(self, *args, process_group, **options):
-        return _composed(self.spec, self.kernels, process_group, args, options)(*args, **options)
+        return self._composed(process_group, args, options)(*args, **options)
+
+    def _composed(self, process_group, args: tuple, options: dict):
+        """VocabParallel.kernel may give several kernels: one per op of composed_of."""
+        weight = args[1] if len(args) > 1 else options[self.spec.vocab_parallel.weight]
+        shard = VocabShard.of(process_group, weight)
+        fns = self.spec.vocab_parallel.kernel(shard, self.kernels)
+        return self.spec.compose(*(fns if isinstance(fns, tuple) else (fns,)), shard)
+
+
+class _DriverWithBackward(_Driver):
+    """An op with a backward of its own (OpSpec.saved): the backward makes the composition again (a process_group's
+    slice sizes are exchanged once more)."""
 
     def backward(self, *args, process_group, **options):
-        return _composed(self.spec, self.kernels, process_group, args, options).backward(*args, **options)
+        return self._composed(process_group, args, options).backward(*args, **options)

@@ -67,7 +67,6 @@ def summary(op: str, device: str, dtype: torch.dtype) -> str:
     return f"{op}: {asked}: falls back to [bold]{served}[/bold] ({why})"
 
 
-# A cell of the matrix is one short word; a reason is a numbered note printed once below the table.
 AVAILABLE, NOT_REGISTERED = "available", "-"
 
 
