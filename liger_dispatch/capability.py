@@ -18,9 +18,10 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CC_CACHE:
-        _CC_CACHE[index] = torch.cuda.get_device_capability(index)
-    return _CC_CACHE[index]
+    cc = _CC_CACHE.get(index)
+    if cc is None:
+        cc = _CC_CACHE[index] = torch.cuda.get_device_capability(index)
+    return cc
 
 
 def default_device() -> torch.device:

@@ -176,8 +176,9 @@ def _plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: d
     selected implementation) and its fallback warning or None."""
     impl, fallback = selection.selected(spec.name, pinned, args, kwargs)
     fn = impl.fn if spec.level == "kernel" else vocab_parallel.serving(spec, impl, a, pinned)
-    if _grads_in_forward(spec) and (impl.variant != WHOLE_OP or fn is not impl.fn):
-        fn = calls.keeping(fn, calls.Kernels())  # a composition's valid_rows selected once per signature
+    composition = impl.variant != WHOLE_OP or fn is not impl.fn  # composed, or the vocab-parallel driver's
+    if composition and _grads_in_forward(spec):
+        fn = calls.keeping(fn, calls.Kernels())  # its valid_rows selected once per signature
     return Plan(fn, fallback, impl.backend)
 
 
