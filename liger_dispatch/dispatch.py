@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Optional, Sequence, Union
 
@@ -31,7 +32,7 @@ class OpHandle:
     schema, then runs the selected implementation (eager), or calls torch.ops.liger_dispatch.<op> while
     torch.compile traces, whose implementation selects when it runs."""
 
-    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_vocab_parallel", "_last")
+    __slots__ = ("name", "pinned", "_spec", "_backend_arg", "_last")
 
     def __init__(self, name: str, backend: Union[None, str, Sequence[str]] = None):
         self.name = TABLE.canonical(name)
@@ -39,7 +40,6 @@ class OpHandle:
         selection.check_known(self.pinned, "backend= of dispatch.op")
         self._spec = TABLE.spec(self.name)
         self._backend_arg = ",".join(self.pinned) or None
-        self._vocab_parallel = self._spec.vocab_parallel is not None  # a DTensor weight: its local slices
         # (calls.epoch, key, plan) of the last call whose plan was remembered: a call of the same signature compares
         # its key with that one, not hashing it for the lookup (the call-signature cache holds the same plan)
         self._last: Optional[tuple] = None
@@ -73,15 +73,11 @@ class OpHandle:
         if autocast.enabled():
             a, args, kwargs = self._cast(a, args, kwargs)
             with autocast.disabled(a):
-                return self._result(a, self._replay(plan, a, args, kwargs))
-        calls.checked(spec, plan, a)  # the per-call path: _replay and _result written out
+                calls.checked(spec, plan, a)
+                return self._result(a, plan.launch(a, args, kwargs))
+        calls.checked(spec, plan, a)  # the per-call path: _result written out
         outputs = plan.launch(a, args, kwargs)
         return outputs if spec.result is None else spec.result(a, outputs)
-
-    def _replay(self, plan, a, args: tuple, kwargs: dict):
-        """A call of a signature planned before: its fallback warning and value checks, then the plan."""
-        calls.checked(self._spec, plan, a)
-        return plan.launch(a, args, kwargs)
 
     def _result(self, a, outputs):
         """What the call returns: the op's outputs, or what its spec makes of them (OpSpec.result)."""
@@ -90,11 +86,13 @@ class OpHandle:
     def _first_call(self, signature, args: tuple, kwargs: dict):
         """The whole eager path; its plan is remembered for the next call of the same signature (calls.py)."""
         a, args, kwargs = self._bound(args, kwargs)
-        if self._vocab_parallel:
+        if self._spec.vocab_parallel is not None:  # a DTensor weight: its local slices
             a, args, kwargs = vocab_parallel.localized(self._spec, a, args, kwargs)
-        plan = _autocast_off(a, torch_ops.plan, self._spec, self.pinned, a, args, kwargs)
-        calls.remember(signature, plan, getattr(a, "process_group", None))
-        return self._result(a, _autocast_off(a, plan.launch, a, args, kwargs))
+        # autocast off: the implementations' math is written for the dtypes they are given
+        with autocast.disabled(a) if autocast.enabled() else contextlib.nullcontext():
+            plan = torch_ops.plan(self._spec, self.pinned, a, args, kwargs)
+            calls.remember(signature, plan, getattr(a, "process_group", None))
+            return self._result(a, plan.launch(a, args, kwargs))
 
     def select(self, *args, **kwargs) -> Impl:
         """The implementation that would serve this call (with the same warnings a call would give)."""
@@ -108,14 +106,6 @@ class OpHandle:
     def __repr__(self) -> str:
         pin = f", backend={','.join(self.pinned)!r}" if self.pinned else ""
         return f"OpHandle({self.name!r}{pin})"
-
-
-def _autocast_off(a, fn, *args):
-    """fn(*args) with autocast off: the implementations' math is written for the dtypes they are given."""
-    if not autocast.enabled():
-        return fn(*args)
-    with autocast.disabled(a):
-        return fn(*args)
 
 
 _handles: dict[tuple[str, tuple[str, ...]], OpHandle] = {}
@@ -143,7 +133,9 @@ def backend_status(op_name: str, device: Union[str, torch.device], dtype: torch.
     backends = registered_backends(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return {b: "no CUDA device on this machine" for b in backends}
-    status = selection.resolve(name, (), device=device, dtypes=(dtype,), preferences_apply=False).status()
+    resolution = selection.resolve(name, (), device=device, dtypes=(dtype,), preferences_apply=False).resolution
+    status = {r.backend: r.reason for r in reversed(resolution.rejected)}  # each backend's first reason
+    status.update((i.backend, None) for i in resolution.chain)  # None: it can serve
     return {b: status.get(b, TABLE.unavailable_reason(name, b)) for b in backends}
 
 
@@ -151,8 +143,7 @@ def available_backends(op_name: str, device: Union[None, str, torch.device] = No
                        dtype: Optional[torch.dtype] = None) -> list[str]:
     """Backends that can serve the op on this device and dtype here, best first (reference last): what auto
     selection chooses from (backend preferences do not apply). device defaults to this machine's
-    (default_device()), dtype to default_dtype(device). Asking about CUDA on a machine without it warns: [].
-    """
+    (default_device()), dtype to default_dtype(device). Asking about CUDA on a machine without it warns: []."""
     name = TABLE.canonical(op_name)
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype

@@ -36,7 +36,7 @@ from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
 from liger_dispatch.errors import InputError, LigerDispatchError, RegistrationError, UnknownBackendError
 from liger_dispatch.registry.cases import Case, Inputs, leaf
-from liger_dispatch.timing import cuda_graph, outputs
+from liger_dispatch.timing import cuda_graph, outputs, rel_err
 
 # relative error against the float64 oracle on the same (already rounded) inputs: tf32 matrix units land near 3e-4;
 # in bf16 and fp16 the logits themselves are rounded to the input dtype (as in any torch model), and JSD and KL
@@ -47,13 +47,6 @@ CHECKS = ("conformance", "opcheck", "compile", "cuda graph")
 
 
 # ---------------------------------------------------------------- measuring
-
-
-def rel_err(got, want) -> float:
-    """Relative Frobenius error of got against want (got's norm when want is all zero), in float64."""
-    got, want = got.detach().double(), want.detach().double()
-    scale = want.norm()
-    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
 
 
 @dataclass(frozen=True)
@@ -440,9 +433,8 @@ def _strict():
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["LIGER_STRICT"]
-        else:
+        del os.environ["LIGER_STRICT"]
+        if saved is not None:
             os.environ["LIGER_STRICT"] = saved
 
 
@@ -491,16 +483,15 @@ def _verify_op(op, backend, device, dtypes, checks, add) -> None:
 
     def row(check, case, dtype, why: Optional[str], measurements: Callable[[], Sequence[Measurement]]) -> None:
         """Skipped for `why`, else passed or failed by the worst of the measurements, or failed by what they raise."""
+        case_result = functools.partial(CaseResult, op, backend, check, case, dtype)
         if why is not None:
-            add(CaseResult(op, backend, check, case, dtype, "skipped", detail=why))
+            add(case_result("skipped", detail=why))
             return
         try:
             m = worst(measurements())
-            add(CaseResult(op, backend, check, case, dtype, "passed" if m.ok else "failed", m.error, m.tolerance,
-                           m.name if m.ok else m.describe()))
+            add(case_result("passed" if m.ok else "failed", m.error, m.tolerance, m.name if m.ok else m.describe()))
         except Exception as exc:
-            text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
-            add(CaseResult(op, backend, check, case, dtype, "failed", detail=text))
+            add(case_result("failed", detail=f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]))
 
     cases = CASES.get(op, ())
     if "conformance" in checks:

@@ -38,7 +38,7 @@ class Inputs:
 
     args: tuple
     kwargs: dict
-    leaves: list[torch.Tensor]  # the tensors whose gradients the op produces
+    leaves: list[torch.Tensor]
     upstream: Optional[tuple[torch.Tensor, ...]] = None  # grads fed to backward when the op has several outputs
 
     def nbytes(self) -> int:
@@ -110,13 +110,14 @@ def step(fn: Callable, sets: Sequence[Inputs], mode: str = "fwd+bwd") -> Callabl
 
 
 def rel_err(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
-    """Relative norm of the difference; NaN when `got` is missing, misshapen or not finite."""
+    """||got - want|| / ||want|| in float64 (||got|| when want is all zero); NaN when `got` is missing, misshapen or
+    not finite. One float64 temporary at a time: the difference is taken in place in got's copy."""
     if got is None or want is None:
         return 0.0 if got is None and want is None else math.nan
     if got.shape != want.shape:
         return math.nan
-    diff = torch.linalg.vector_norm(got.float() - want.float()).item()
-    scale = torch.linalg.vector_norm(want.float()).item()
+    diff = torch.linalg.vector_norm(got.detach().to(torch.float64, copy=True).sub_(want.detach())).item()
+    scale = torch.linalg.vector_norm(want.detach(), dtype=torch.float64).item()
     if not math.isfinite(diff):
         return math.nan
     return diff / scale if scale > 0 else diff
@@ -186,8 +187,7 @@ def calls(estimate_ms: float, *, warmup_ms: float, rep_ms: float, min_reps: int)
 
 
 def round_share(r: int, rounds: int, *, warmup_ms: float, rep_ms: float, min_reps: int) -> dict:
-    """What round r of `rounds` (see turns) is given: the warm-up in the first round only, rep_ms and min_reps
-    shared out over the rounds."""
+    """Round r's share (see turns): the warm-up in the first round only, rep_ms and min_reps split over `rounds`."""
     return {"warmup_ms": warmup_ms if r == 0 else 0.0, "rep_ms": rep_ms / rounds,
             "min_reps": math.ceil(min_reps / rounds)}
 

@@ -172,3 +172,20 @@ def test_under_a_functorch_transform_the_function_is_applied_as_torch_applies_it
     rest = list(args.values())[1:]
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.grad(lambda x: handle(x, *rest))(args["student_input"])
+
+
+def test_the_torch_op_and_its_backward_op_select_once_per_signature(monkeypatch):
+    """Compiled code calls torch.ops.liger_dispatch.<op> and, for an op with a backward of its own, <op>_backward:
+    each takes the plan of its signature, selecting on the first call only (the backward as the forward planned)."""
+    resolved = []
+    resolve = selection.resolve
+    monkeypatch.setattr(selection, "resolve", lambda op, *rest, **kw: resolved.append(op) or resolve(op, *rest, **kw))
+    calls.reset()
+    after_first = None
+    for _ in range(3):
+        args = _leaves(mhc_args(), ("x", "phi", "b"))
+        coeffs = torch.ops.liger_dispatch.mhc_coeffs(*args.values(), tmax=3, backend="reference")[:3]
+        torch.autograd.backward(coeffs, [torch.randn_like(c) for c in coeffs])
+        assert all(torch.isfinite(args[n].grad).all() for n in ("x", "phi", "b"))
+        after_first = after_first or list(resolved)
+    assert resolved == after_first and 1 <= len(resolved) <= 2  # the forward's and the backward's first calls

@@ -59,15 +59,14 @@ class _WeightGrad:
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         g_t = grad_logits.t()
-        if self.dtype == grad_logits.dtype:
-            if self.value is None:
-                self.value = torch.mm(g_t, x)
-            else:
-                self.value.addmm_(g_t, x)
-            return
-        if self.value is None:
+        same_dtype = self.dtype == grad_logits.dtype
+        if self.value is None and not same_dtype:  # an accumulator of another dtype: zeros, then addmm
             self.value = torch.zeros(g_t.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
-        if x.is_cuda:
+        if self.value is None:
+            self.value = torch.mm(g_t, x)
+        elif same_dtype:
+            self.value.addmm_(g_t, x)
+        elif x.is_cuda:
             torch.addmm(self.value, g_t, x, out_dtype=self.dtype, out=self.value)
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))
@@ -91,12 +90,11 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
                want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
-    """Runs the chunk loop: (loss_rows fp32 [N], dx, dw, db), None for an unwanted gradient.
-
-    chunk_loss(logits, start, end, scale) overwrites logits with scale times their gradient and returns the per-row
-    loss; grad_scale (0-d or [N], on the device) weights the rows. row_bound: a bound of each row's gradient L1 norm
-    (the family's grad_bound), asked for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit
-    (a teacher's logits), for the budget. vocab_parallel: the VocabShard of a vocab-parallel call, or None."""
+    """Runs the chunk loop: (loss_rows fp32 [N], dx, dw, db), None for an unwanted gradient. chunk_loss(logits, start,
+    end, scale) overwrites logits with scale times their gradient and returns the per-row loss; grad_scale (0-d or [N],
+    on the device) weights the rows. row_bound: a bound of each row's gradient L1 norm (the family's grad_bound), asked
+    for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit (a teacher's logits), for the budget.
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
     if x.dtype == torch.float16 and n > 0:
@@ -139,9 +137,7 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 
 def chunk_of(t: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.Tensor]:
     """t's rows [start, end), or t itself when those are all of its rows (one chunk: no view made per call)."""
-    if t is None or (start == 0 and end == t.shape[0]):
-        return t
-    return t[start:end]
+    return t if t is None or (start == 0 and end == t.shape[0]) else t[start:end]
 
 
 def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,10 @@ gradient pass writes the slice's gradient from the global statistics. Every rank
 
 A loss per row (reduction="none") runs its chunks again in the backward (sizes and statistics again, then dX).
 
-An op family declares its path with a `VocabParallel` (OpSpec.vocab_parallel). The dispatcher serves a call whose
-`process_group` is set (a ProcessGroup, its name, or the VocabShard `localized` made) by `serving`. A weight that is
-a DTensor sharded on dim 0 over a 1-D mesh is `localized` first: the input must be a DTensor too (redistributed to
-Replicate), the other vocab-sliced tensors DTensors sharded like it, and the call runs on the local tensors, so the
-loss is a plain tensor and the weight's gradient a DTensor shard.
+An op family declares its path with a `VocabParallel` (OpSpec.vocab_parallel); `serving` serves a call whose
+`process_group` is set. A weight that is a DTensor sharded on dim 0 over a 1-D mesh is `localized` first: the input must
+be a DTensor too, the other vocab-sliced tensors DTensors sharded like it; the loss is then a plain tensor and the
+weight's gradient a DTensor shard.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ class VocabParallel:
     replicated: the tensors every rank holds whole, name -> whether a plain tensor is accepted beside a DTensor
     weight (not for the input: a sharded FSDP parameter read outside its forward is refused, not taken for a slice).
     kernel(shard, kernels): the composition's kernel-level op over this rank's slice, where
-    kernels(op, *args, **kwargs) runs a vocab-parallel kernel-level op of the selected backend.
-    """
+    kernels(op, *args, **kwargs) runs a vocab-parallel kernel-level op of the selected backend."""
 
     weight: str
     sliced: dict
@@ -64,23 +62,20 @@ def serving(spec, impl, a: Args, pinned: tuple[str, ...]) -> Callable:
     the handle pinned it, else of the backend selection picks for them (use_backend and LIGER_BACKEND hold)."""
     if getattr(a, "process_group", None) is None:
         return impl.fn
-    kernels = _Kernels(impl.backend if pinned else None)
-    return (_DriverWithBackward if spec.saved else _Driver)(spec, kernels)
+    return (_DriverWithBackward if spec.saved else _Driver)(spec, _Kernels(impl.backend if pinned else None))
 
 
 def localized(spec, a: Args, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict]:
     """A call whose weight is a DTensor sharded on the vocabulary as the same call on this rank's local tensors, with
     process_group the shard; any other call as it is."""
-    declared = spec.vocab_parallel
-    if not _is_dtensor(getattr(a, declared.weight)):
+    declared, types = spec.vocab_parallel, _dtensor_types()
+    weight = getattr(a, declared.weight)
+    if types is None or not isinstance(weight, types[0]):
         return a, args, kwargs
-    layout = _DTensorLayout(getattr(a, declared.weight), a.process_group)
-    values = dict(a.__dict__)
-    for name, dim in declared.sliced.items():
-        values[name] = layout.sliced(name, values[name], dim)
-    for name, plain_ok in declared.replicated.items():
-        values[name] = layout.replicated(name, values[name], plain_ok)
-    values["process_group"] = layout.shard
+    layout = _DTensorLayout(weight, a.process_group)
+    values = {**a.__dict__, "process_group": layout.shard}
+    values.update({name: layout.sliced(name, values[name], dim) for name, dim in declared.sliced.items()})
+    values.update({name: layout.replicated(name, values[name], ok) for name, ok in declared.replicated.items()})
     local = Args(values)
     return (local, *spec.schema.call_args(local))
 
@@ -102,9 +97,8 @@ def group_name(process_group) -> str:
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's slice [start, start + size) of a vocabulary of `total` columns split over `group`.
-
-    widest: the largest slice; every rank sizes its chunks for it, so all ranks make the same collectives."""
+    """This rank's slice [start, start + size) of a vocabulary of `total` columns split over `group`; `widest`, the
+    largest slice, sizes every rank's chunks, so that all ranks make the same collectives."""
 
     group: Any
     start: int
@@ -119,8 +113,7 @@ class VocabShard:
 
     @classmethod
     def of(cls, process_group, weight: torch.Tensor) -> "VocabShard":
-        """The shard of a call: the one `localized` made, or the slice sizes of process_group's ranks all-gathered
-        (one collective and one host read)."""
+        """The call's shard: `localized`'s, or one from its ranks' slice sizes (one all-gather, one host read)."""
         if isinstance(process_group, VocabShard):
             return process_group
         group, device = resolve_group(process_group), weight.device
@@ -156,9 +149,8 @@ class VocabShard:
 
 
 def combine(gathered: torch.Tensor, lse_columns: int, max_columns: int = 0) -> torch.Tensor:
-    """Global per-row statistics from every rank's [W, C, k]: a log-sum-exp over the ranks of the first
-    `lse_columns` columns, a max of the next `max_columns`, a sum of the others. The same arithmetic in the same
-    order on every rank."""
+    """Global per-row statistics from every rank's [W, C, k]: log-sum-exp over the ranks of the first `lse_columns`
+    columns, max of the next `max_columns`, sum of the others; the same arithmetic in the same order on every rank."""
     total = gathered.sum(0)
     total[:, :lse_columns] = torch.logsumexp(gathered[:, :, :lse_columns], dim=0)
     maxima = slice(lse_columns, lse_columns + max_columns)
@@ -191,22 +183,16 @@ def _dtensor_types():
     return None if dtensor is None else (dtensor, module.Replicate, module.Shard)
 
 
-def _is_dtensor(t) -> bool:
-    types = _dtensor_types()
-    return types is not None and isinstance(t, types[0])
-
-
 class _DTensorLayout:
     """Where a call's tensors sit when its weight is a DTensor sharded on the vocabulary over a 1-D mesh."""
 
     def __init__(self, weight: torch.Tensor, process_group):
-        mesh = weight.device_mesh
+        self.mesh = mesh = weight.device_mesh
         if mesh.ndim != 1:
             raise InputError(f"weight is a DTensor on a {mesh.ndim}-D mesh; the vocab-parallel path needs a 1-D mesh "
                              "(pass the tensor-parallel submesh's DTensor, or to_local() slices with process_group=)")
         if process_group is not None and resolve_group(process_group) is not mesh.get_group():
             raise InputError("process_group is not the group of the weight's DeviceMesh; pass one of them")
-        self.mesh = mesh
         vocab, world = weight.shape[0], mesh.size()
         step = -(-vocab // world)  # Shard(0) splits as torch.chunk does
         sizes = [max(0, min(step, vocab - r * step)) for r in range(world)]
@@ -216,8 +202,8 @@ class _DTensorLayout:
         """This rank's slice of a tensor split along `dim` like the vocabulary (a DTensor's local shard)."""
         if t is None:
             return t
-        _, _, shard = _dtensor_types()
-        if not _is_dtensor(t) or t.device_mesh != self.mesh or tuple(t.placements) != (shard(dim % t.dim()),):
+        dtensor, _, shard = _dtensor_types()
+        if not isinstance(t, dtensor) or t.device_mesh != self.mesh or tuple(t.placements) != (shard(dim % t.dim()),):
             raise InputError(f"{name} must be a DTensor sharded on dim {dim} over the weight's mesh, like the weight")
         local = t.to_local()
         if local.shape[dim] != self.shard.size:
@@ -255,8 +241,7 @@ class _Driver:
 
 
 class _DriverWithBackward(_Driver):
-    """An op with a backward of its own (OpSpec.saved): the backward makes the composition again (a process_group's
-    slice sizes are exchanged once more)."""
+    """An op with a backward (OpSpec.saved), which makes the composition again (the slice sizes exchanged again)."""
 
     def backward(self, *args, process_group, **options):
         return self._composed(process_group, args, options).backward(*args, **options)

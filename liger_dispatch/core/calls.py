@@ -1,21 +1,18 @@
 """What a call of each signature runs, remembered: the one call-signature cache (checks, selection, plan).
 
-A signature's first call takes the whole path (bind and validate the arguments, input checks, autocast, selection,
-value checks) and ends with a `Plan`: the function that serves the call and its fallback warning, if any. A later
-call of the signature reuses the plan and runs only the steps that read the data or a setting each call: the value
-checks (a label outside [0, V)) and the fallback's warning (once per reason) or, under LIGER_STRICT, error. Handles,
-the torch ops' implementations and the vocab-parallel kernels look their plans up with `key`.
+A signature's first call takes the whole path (bind and validate the arguments, input checks, autocast, selection, value
+checks) and ends with a `Plan`: the function that serves the call and its fallback warning, if any. A later call of the
+signature reuses the plan and runs only the steps that read the data or a setting each call: the value checks (a label
+outside [0, V)) and the fallback's warning (once per reason) or, under LIGER_STRICT, error.
 
-The machinery's own kernel-level ops (registry/support.py: the device label check, each gradient's scale in a
-loss's backward, a mean's count in a composition) are selected once per signature of the call that runs them: their
-arguments (shape, dtype and device) are a function of that signature, so what they select is too. A plan keeps them
-in `Kernels` by their place in the call (`keeping`); a change to the op table or selection.reset() selects again.
+The machinery's own kernel-level ops (registry/support.py: the device label check, each gradient's scale in a loss's
+backward, a mean's count in a composition) are selected once per signature of the call that runs them, which fixes their
+arguments: a plan keeps them in `Kernels` by place (`keeping`) until the op table changes or selection.reset().
 
-The key holds everything the skipped steps read (`key`): the op, the pinned backends, each argument (a tensor's
-metadata, any other value's type and value), grad mode and autocast state, and what selection reads besides (the
-backend preference, the op table's version, selection.generation); so a capability's shape predicate must be a
-function of the signature. Not remembered: calls with a process_group (the vocab-parallel driver is made per call,
-after a collective) and calls whose signature cannot be hashed or read (an unhashable option, no strides).
+`key` holds everything the skipped steps read: the op, the pinned backends, each argument (a tensor's metadata, any
+other value's type and value), grad mode, autocast state, the backend preference, the op table's version and
+selection.generation; so a capability's shape predicate must be a function of the signature. Not remembered: calls with
+a process_group (their driver is made per call, after a collective) or a signature that cannot be hashed or read.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ epoch = 0  # bumped whenever the plans are forgotten: a plan a handle kept for i
 
 
 class Kernels:
-    """The machinery's kernel-level ops the calls of one signature run, by place: each selected on its first call
-    and reused while the op table and selection.generation are unchanged; every call still gets its fallback warning
-    (or strict error) and value checks."""
+    """The machinery's kernel-level ops the calls of one signature run, by place: each selected on its first call and
+    reused while the op table and selection.generation are unchanged; each call still warns and checks values."""
 
     __slots__ = ("made",)
 
@@ -52,20 +48,19 @@ class Kernels:
             made = self.made[place] = (spec, _kernel_plan(spec, (), args, kwargs), TABLE.version, selection.generation)
         plan = made[1]
         if plan.fallback is not None or spec.value_check is not None:
-            _checked(spec, plan, args, kwargs)
+            checked(spec, plan, None if spec.value_check is None else spec.schema.bind(args, kwargs))
         return plan.fn(*args, **kwargs)
 
 
 class Plan:
-    """What the calls of one signature run: `fallback()` (its warning; None when the selected implementation is the
-    one asked for), then `fn` (the implementation, or the vocab-parallel driver on it) or, for a handle's eager call,
-    `launch(a, args, kwargs)` (fn under its autograd.Function: torch_ops.plan). `checks`: the machinery kernels its
-    value checks run, None once its first call's checks ran none."""
+    """What the calls of one signature run: `fallback()` (None when the implementation asked for serves), then `fn` (the
+    implementation, or the vocab-parallel driver on it) or, for a handle's eager call, `launch(a, args, kwargs)`
+    (torch_ops.plan). `checks`: the machinery kernels its value checks run (None once they ran none)."""
 
     __slots__ = ("fn", "fallback", "launch", "backend", "checks")
 
     def __init__(self, fn: Callable, fallback: Optional[Callable[[], None]], backend: str):
-        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, None  # launch: torch_ops.plan's
+        self.fn, self.fallback, self.backend, self.launch = fn, fallback, backend, None
         self.checks: Optional[Kernels] = Kernels()
 
 
@@ -137,16 +132,10 @@ def _kernel_plan(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Pl
 
 
 def kernel(spec, pinned: tuple[str, ...], args: tuple, kwargs: dict) -> Callable:
-    """The implementation that serves this call of a kernel-level op, from its signature's plan, after its fallback
-    warning (or strict error) and value checks."""
+    """This kernel-level call's implementation (its signature's plan), after its fallback warning and value checks."""
     plan = _kernel_plan(spec, pinned, args, kwargs)
-    _checked(spec, plan, args, kwargs)
-    return plan.fn
-
-
-def _checked(spec, plan: Plan, args: tuple, kwargs: dict) -> None:
-    """`checked` for a call of a kernel-level op: its arguments bound only for a value check."""
     checked(spec, plan, None if spec.value_check is None else spec.schema.bind(args, kwargs))
+    return plan.fn
 
 
 _checking = threading.local()  # .at: [the Kernels of the plan whose value checks run now on this thread, places used]

@@ -30,10 +30,9 @@ class Param:
 
 
 class Args:
-    """One call's arguments by name, defaults filled in: what an op's checks and probes read (a.input, ...).
-
-    Set attribute by attribute: torch.compile traces this, and some of its versions cannot follow an assignment of
-    __dict__ or a SimpleNamespace(**values)."""
+    """One call's arguments by name, defaults filled in: what an op's checks and probes read (a.input, ...). Set
+    attribute by attribute: torch.compile traces this, and some of its versions cannot follow an assignment of __dict__
+    or a SimpleNamespace(**values)."""
 
     def __init__(self, values: dict):
         for name, value in values.items():

@@ -43,9 +43,8 @@ def parse_backends(value) -> tuple[str, ...]:
 @contextlib.contextmanager
 def use_backend(*backends: str) -> Iterator[None]:
     """Prefer these backends (in order) for every op called in this thread inside the block."""
-    names = parse_backends(backends[0] if len(backends) == 1 else backends)
     stack = _local.__dict__.setdefault("stack", [])
-    stack.append(names)
+    stack.append(parse_backends(backends[0] if len(backends) == 1 else backends))
     try:
         yield
     finally:
@@ -71,17 +70,6 @@ def strict() -> bool:
     return settings.STRICT.get()
 
 
-def call_signature(args: Sequence, kwargs: dict) -> tuple[torch.device, tuple[torch.dtype, ...]]:
-    """The device of the call's first tensor and the dtype of every tensor, in order (one pass, hot path)."""
-    device, dtypes = None, []
-    for values in (args, kwargs.values()):
-        for value in values:
-            if isinstance(value, torch.Tensor):
-                device = device or value.device
-                dtypes.append(value.dtype)
-    return device or torch.device("cpu"), tuple(dtypes)
-
-
 @dataclass(frozen=True)
 class Rejection:
     backend: str
@@ -99,7 +87,6 @@ class Resolution:
     requested: tuple[str, ...]
     chain: tuple[Impl, ...]
     rejected: tuple[Rejection, ...]
-    version: int  # TABLE.version the candidates were read at, after this call's discovery
     tuned: Optional[tuned.Entry] = None  # the measured entry that ordered an auto chain
 
 
@@ -113,16 +100,13 @@ def check_known(names: Sequence[str], source: str) -> None:
 
 def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tuple, tuned_key,
             preferences_apply: bool) -> Resolution:
-    """What depends only on the call's signature: the statically capable implementations in the order they are
-    tried, and what was turned down and why."""
+    """The Resolution of a call: what depends only on its signature."""
     source, requested = preference(op, pinned) if preferences_apply else ("auto", ())
     check_known(requested, source)
     settings.check_all()
     unreachable = {b: r for b in TABLE.backend_names() if (r := discovery.out_of_reach(b, device.type))}
     reachable = [b for b in TABLE.declaring_backends(op) if b not in unreachable]
-    TABLE.discover(op, reachable)  # imports backend modules, which register: TABLE.version moves
-    version = TABLE.version
-    candidates = TABLE.candidates(op, reachable)
+    candidates = TABLE.candidates(op, reachable)  # after discovering their modules
     rejected, capable = [], []
     for impl in candidates:
         reason = unreachable.get(impl.backend) or impl.capability.static_reason(device, dtypes)
@@ -143,7 +127,7 @@ def _static(op: str, pinned: tuple[str, ...], device: torch.device, dtypes: tupl
     else:
         order, entry = tuned.measured_first(capable, tuned.choice(op, device, dtypes, tuned_key), lambda i: i.backend)
         order = [i for i in order if i.backend != REFERENCE] + [i for i in order if i.backend == REFERENCE]
-    return Resolution(op, source, requested, tuple(order), tuple(rejected), version, entry)
+    return Resolution(op, source, requested, tuple(order), tuple(rejected), entry)
 
 
 def preferences(op: str, pinned: tuple[str, ...]) -> tuple:
@@ -173,36 +157,12 @@ class Choice:
 
     @property
     def is_fallback(self) -> bool:
-        """A requested backend did not serve, or (auto) the reference serves although another backend accepts
-        this device type."""
+        """A requested backend did not serve, or (auto) the reference serves though another accepts the device type."""
         if self.impl is None:
             return False
         if self.resolution.requested:
             return self.impl.backend != self.resolution.requested[0]
         return self.impl.backend == REFERENCE and any(_better(r) for r in self.rejected)
-
-    def fallback(self) -> Optional[Callable[[], None]]:
-        """What warns about this fallback (once per reason) or raises under LIGER_STRICT, uncalled; None when the
-        implementation is the one asked for."""
-        return functools.partial(_fallback, self.resolution, self.impl, self.rejected) if self.is_fallback else None
-
-    def status(self) -> dict[str, Optional[str]]:
-        """For every backend considered: None when it can serve (statically), else why not."""
-        status: dict[str, Optional[str]] = {i.backend: None for i in self.resolution.chain}
-        for r in self.resolution.rejected:
-            status.setdefault(r.backend, r.reason)
-        return status
-
-
-def _judge(impl: Impl, args, kwargs) -> Optional[str]:
-    """Why impl's shape predicate turns this call down, or None; a predicate that raises turns it down."""
-    predicate = impl.capability.predicate
-    if predicate is None:
-        return None
-    try:
-        return predicate(*args, **kwargs)
-    except Exception as exc:  # a broken predicate rejects its own implementation, never the call
-        return f"its capability predicate raised {type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device: Optional[torch.device] = None,
@@ -210,9 +170,10 @@ def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device:
     """With a call's args/kwargs: what serves that call (shape predicates judged). Without them: what serves calls
     on `device` with floating `dtypes` (the predicates not asked)."""
     call = args is not None
-    if call:
-        device, all_dtypes = call_signature(args, kwargs)
-        dtypes = tuple(dict.fromkeys(d for d in all_dtypes if d.is_floating_point))  # what capabilities check
+    if call:  # the device of the call's first tensor; the floating dtypes, which capabilities check
+        tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        dtypes = tuple(dict.fromkeys(t.dtype for t in tensors if t.dtype.is_floating_point))
         tuned_key = None if (preferences_apply and any(preferences(op, pinned))) else tuned.lookup_key(
             op, device, args, kwargs)
     else:
@@ -220,7 +181,11 @@ def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device:
     res = _static(op, pinned, device, dtypes, tuned_key, preferences_apply)
     late = []
     for impl in res.chain:  # usually the first serves
-        reason = _judge(impl, args, kwargs) if call else None
+        predicate = impl.capability.predicate if call else None  # returns why it turns the call down, or None
+        try:
+            reason = None if predicate is None else predicate(*args, **kwargs)
+        except Exception as exc:  # a broken predicate rejects its own implementation, never the call
+            reason = f"its capability predicate raised {type(exc).__name__}: {exc}".splitlines()[0]
         if reason is None:
             return Choice(res, impl, tuple(late), device, dtypes, tuned_key)
         late.append(Rejection(impl.backend, impl.variant, reason))
@@ -228,12 +193,14 @@ def resolve(op: str, pinned: tuple[str, ...], args=None, kwargs=None, *, device:
 
 
 def selected(op: str, pinned: tuple[str, ...], args, kwargs) -> tuple[Impl, Optional[Callable[[], None]]]:
-    """The implementation that serves this call, and what warns or raises about its fallback (None: no fallback),
-    uncalled so that a repeated call can replay it (calls.py)."""
+    """The implementation that serves this call, and what warns about its fallback once per reason or raises under
+    LIGER_STRICT (None: no fallback), uncalled so that a repeated call can replay it (calls.py)."""
     choice = resolve(op, pinned, args, kwargs)
     if choice.impl is None:
         raise LigerDispatchError(f"{op}: no backend can serve this call: " + _describe(choice.rejected))
-    return choice.impl, choice.fallback()
+    if not choice.is_fallback:
+        return choice.impl, None
+    return choice.impl, functools.partial(_fallback, choice.resolution, choice.impl, choice.rejected)
 
 
 def select(op: str, pinned: tuple[str, ...], args, kwargs) -> Impl:

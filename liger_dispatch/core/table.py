@@ -58,8 +58,7 @@ class OpSpec:
         op's outputs alias no input) and its autograd takes the views.
     vocab_parallel: a user-level loss's compose.vocab_parallel.VocabParallel, where it has that path.
     tuning: a user-level op's tuning.points.Tuning (buckets, the points to time), where tuned tables order it.
-    internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it.
-    """
+    internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it."""
 
     schema_text: str
     level: str  # "user" or "kernel"
@@ -104,11 +103,9 @@ class Impl:
 
 
 class OpTable:
-    """Every declared op, where each backend implements it, and the registered implementations.
-
-    `version` changes with every write and `version_of(op)` with every write that concerns op (a declaration, or a
-    registration of it or of an op it is composed of), so remembered plans never outlive one.
-    """
+    """Every declared op, where each backend implements it, and the registered implementations. `version` changes with
+    every write and `version_of(op)` with every write that concerns op (a declaration, or a registration of it or of an
+    op it is composed of), so remembered plans never outlive one."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -129,16 +126,14 @@ class OpTable:
     def declare_op(self, spec: OpSpec) -> None:
         with self._lock:
             self._ops[spec.name] = spec
-            for alias in spec.aliases:
-                self._aliases[alias] = spec.name
+            self._aliases.update(dict.fromkeys(spec.aliases, spec.name))
             self._declared()
 
     def declare_op_locations(self, op: str, locations: dict[str, str]) -> None:
         with self._lock:
             name = self.canonical(op)
             self._locations.setdefault(name, {}).update(locations)
-            for backend in locations:
-                self._backend_names.setdefault(backend, None)
+            self._backend_names.update(dict.fromkeys(locations))
             self._discovered.clear()  # user-level ops composed of `op` must look again too
             self._declared()
 
@@ -169,8 +164,7 @@ class OpTable:
         self._declarations += 1
         self.version += 1
 
-    def version_of(self, op: str) -> tuple[int, int]:
-        """Changes with every write that concerns op (a canonical name)."""
+    def version_of(self, op: str) -> tuple[int, int]:  # op: a canonical name
         return self._declarations, self._op_versions.get(op, 0)
 
     # -- looking up ----------------------------------------------------------------------------
@@ -203,7 +197,6 @@ class OpTable:
     # -- discovery -----------------------------------------------------------------------------
     def discover(self, op: str, backends: Optional[Collection[str]] = None) -> None:
         """Import, once, the modules `backends` (default: all) declare for `op` and for the ops it is composed of.
-
         Outside the lock: a backend module registers into this table while it imports, and another thread may be
         importing it already (Python's import lock makes this one wait for it)."""
         name = self.canonical(op)
@@ -282,9 +275,8 @@ class OpTable:
                                      f"capabilities or priorities; a composed {spec.name} needs them equal")
             capability = replace(first.capability, predicate=_probed(first.capability.predicate, spec))
             checked = [_checked_part(self.spec(p.op), p) for p in parts]
-            impl = Impl(spec.name, backend, spec.compose(*checked), first.priority, capability,
-                        variant="composed from " + " + ".join(spec.composed_of))
-            self._composed[key] = impl
+            impl = self._composed[key] = Impl(spec.name, backend, spec.compose(*checked), first.priority, capability,
+                                              variant="composed from " + " + ".join(spec.composed_of))
         return impl
 
 
@@ -310,8 +302,7 @@ def contract(spec: OpSpec) -> str:
 
 
 def _checked_part(spec: OpSpec, part: Impl) -> Callable:
-    """A kernel-level implementation as a composition calls it: its results checked against the op's fake while a
-    plan's first call runs (results.py)."""
+    """A composition's kernel-level implementation: its results checked against the op's fake on a plan's first call."""
     fn = part.fn
 
     def kernel(*args, **kwargs):

@@ -196,13 +196,11 @@ def _expected(spec: OpSpec, args: tuple, kwargs: dict):
 
 
 def _as_tuple(outputs) -> tuple:
-    """An op's fake outputs as a tuple (one output: itself alone)."""
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
 def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
-    """fn with its results (and those of the kernel-level ops a composition calls) checked against the op's fake:
-    what a plan's first call runs."""
+    """What a plan's first call runs: fn, its results (and its composition's kernels') checked against the fakes."""
 
     def first_call(*args, **kwargs):
         with results.checking():
@@ -214,18 +212,6 @@ def _checking(spec: OpSpec, backend: str, fn: Callable) -> Callable:
     if hasattr(fn, "backward"):  # an op with a backward of its own
         first_call.backward = fn.backward
     return first_call
-
-
-def _serving(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Callable:
-    """What serves a torch op's call: its signature's plan, after its fallback warning and value checks."""
-    call_key = calls.key(spec, pinned, args, kwargs)
-    plan = calls.get(call_key)
-    first = plan is None
-    if first:
-        plan = _plan(spec, pinned, a, args, kwargs)
-        calls.remember(call_key, plan, getattr(a, "process_group", None))
-    calls.checked(spec, plan, a)
-    return _checking(spec, plan.backend, plan.fn) if first else plan.fn
 
 
 def plan(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> Plan:
@@ -261,8 +247,7 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Cal
     if _row_losses(a):
         def launch_rows(a, args, kwargs):
             def backward(grad_rows, needs):
-                summed = {**kwargs, "reduction": "sum"}
-                return fn(*args, **summed, need_grads=needs, row_weights=grad_rows)[outputs:]
+                return fn(*args, **{**kwargs, "reduction": "sum"}, need_grads=needs, row_weights=grad_rows)[outputs:]
 
             return _apply(_RowLosses, (spec.name, lambda: fn(*args, **kwargs), backward, outputs), tensors(a))
 
@@ -278,9 +263,7 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Cal
 
 def _own_outputs(count: int) -> Callable[[tuple], object]:
     """From what an implementation returns, the op's own outputs: the first alone, or a tuple of `count`."""
-    if count == 1:
-        return operator.itemgetter(0)
-    return lambda results: tuple(results[:count])
+    return operator.itemgetter(0) if count == 1 else lambda results: tuple(results[:count])
 
 
 def _with_backward(spec: OpSpec, fn: Callable, a: Args, grads: bool) -> Callable[[Args, tuple, dict], object]:
@@ -319,8 +302,8 @@ def _split(schema_text: str) -> tuple[list[str], list[str], str]:
 
 
 def _op_schema(name: str, positional: list[str], keyword: list[str], returns: str) -> str:
-    params = [*positional, *(["*", *keyword] if keyword else [])]
-    return f"{name}({', '.join(params)}) -> {returns}"
+    """A torch op's schema, whose last keyword-only parameter is `str? backend=None`."""
+    return f"{name}({', '.join([*positional, '*', *keyword, 'str? backend=None'])}) -> {returns}"
 
 
 def _torch_schema(spec: OpSpec, returns: Optional[str] = None) -> str:
@@ -329,8 +312,7 @@ def _torch_schema(spec: OpSpec, returns: Optional[str] = None) -> str:
     positional, keyword, own_returns = _split(spec.schema_text)
     extra = [p.strip() for p in spec.impl_extra.split(",") if p.strip()]
     tensors, others = [p for p in extra if p.startswith("Tensor")], [p for p in extra if not p.startswith("Tensor")]
-    return _op_schema(spec.name, [*positional, *tensors], [*keyword, *others, "str? backend=None"],
-                      returns or own_returns)
+    return _op_schema(spec.name, [*positional, *tensors], [*keyword, *others], returns or own_returns)
 
 
 def _bind(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple[str, ...], dict]:
@@ -374,10 +356,25 @@ def _define(name: str, schema: str, impl: Callable, fake: Callable):
 
 
 def _run(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict, object]:
-    """A torch op's call of what serves it: (bound arguments, positional values, extra keyword values, result)."""
+    """A torch op's call of its signature's plan, after its fallback warning and value checks: (bound arguments,
+    positional values, extra keyword values, result)."""
     a, pinned, extra = _bind(spec, args, kwargs)
     positional, options = spec.schema.call_args(a)
-    return a, positional, extra, _serving(spec, pinned, a, positional, options)(*positional, **options, **extra)
+    plan, first = _planned(spec, pinned, a, positional, options)
+    calls.checked(spec, plan, a)
+    fn = _checking(spec, plan.backend, plan.fn) if first else plan.fn
+    return a, positional, extra, fn(*positional, **options, **extra)
+
+
+def _planned(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> tuple[Plan, bool]:
+    """The plan of a torch op's call signature, and whether this call made it (then it is remembered)."""
+    call_key = calls.key(spec, pinned, args, kwargs)
+    plan = calls.get(call_key)
+    if plan is not None:
+        return plan, False
+    plan = _plan(spec, pinned, a, args, kwargs)
+    calls.remember(call_key, plan, getattr(a, "process_group", None))
+    return plan, True
 
 
 def _define_as_returned(spec: OpSpec, returns: Optional[str] = None):
@@ -395,8 +392,7 @@ def _define_as_returned(spec: OpSpec, returns: Optional[str] = None):
 
 
 def _define_loss(spec: OpSpec) -> None:
-    """A fused-linear loss: its outputs, then one gradient per differentiable input (an empty tensor where not asked
-    for by `need_grads`)."""
+    """A fused-linear loss: its outputs, then a gradient per differentiable input (empty where need_grads omits it)."""
     count = len(spec.differentiable)
     returned = spec.schema.returns
 
@@ -459,7 +455,6 @@ def _overwrites_saved(spec: OpSpec) -> bool:
 
 
 def _differentiable_places(spec: OpSpec) -> list[int]:
-    """Each differentiable tensor's place among the op's positional inputs."""
     return [spec.schema.positional.index(n) for n in spec.differentiable]
 
 
@@ -482,8 +477,7 @@ def _define_with_backward(spec: OpSpec) -> None:
     own_positional, keyword, _ = _split(spec.schema_text)
     own_positional = [p.partition("=")[0].strip() for p in own_positional]  # the backward's come before the saved
     grads = [f"Tensor? grad_{i}" for i in range(outputs)]
-    backward_schema = _op_schema(backward_name, [*own_positional, *saved, *grads],
-                                 [*keyword, "bool[] need_grads", "str? backend=None"],
+    backward_schema = _op_schema(backward_name, [*own_positional, *saved, *grads], [*keyword, "bool[] need_grads"],
                                  _tensors(len(spec.differentiable)))
     keyword_defaults = {n: spec.schema.defaults[n] for n in spec.schema.names[len(positional):]}
     where = _differentiable_places(spec)
@@ -501,9 +495,8 @@ def _define_with_backward(spec: OpSpec) -> None:
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
         pinned = selection.parse_backends(backend)
-        fn = vocab_parallel.serving(spec, selection.select(spec.name, pinned, tensors, options),
-                                    spec.schema.bind(tensors, options), pinned)
-        grads = fn.backward(*args, need_grads=tuple(need_grads), **options)
+        plan, _ = _planned(spec, pinned, spec.schema.bind(tensors, options), tensors, options)  # the forward warned
+        grads = plan.fn.backward(*args, need_grads=tuple(need_grads), **options)
         views = views_in_saved(args, options)
         # an input left out (None), one not needing a gradient or one whose gradient is a view of a saved tensor
         # (its autograd takes that view) gets an empty tensor: a torch op returns tensors that alias no input

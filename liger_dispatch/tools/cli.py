@@ -10,11 +10,13 @@ from typing import Optional
 
 import torch
 
-from liger_dispatch import settings
+from liger_dispatch import dispatch, settings, testing
+from liger_dispatch.capability import default_device, default_dtype, dtype_name
+from liger_dispatch.core import selection
+from liger_dispatch.core.table import TABLE
+from liger_dispatch.errors import LigerDispatchError
 from liger_dispatch.tools import demos
 from liger_dispatch.tuning import tune
-from liger_dispatch.capability import default_device, default_dtype, dtype_name
-from liger_dispatch.errors import LigerDispatchError
 
 PROG = "python -m liger_dispatch"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,12 +49,9 @@ def _short(reason: str, width: int = 110) -> str:
 def summary(op: str, device: str, dtype: torch.dtype) -> str:
     """Which backend serves `op` here under the backend preference in force (LIGER_BACKEND, LIGER_BACKEND_<OP>),
     or why it falls back; an unknown backend name raises UnknownBackendError, as a call would."""
-    from liger_dispatch.core import selection
-    from liger_dispatch.dispatch import available_backends
-
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         return f"{op}: nothing serves (no CUDA device on this machine)"
-    usable = available_backends(op, device=device, dtype=dtype)
+    usable = dispatch.available_backends(op, device=device, dtype=dtype)
     choice = selection.resolve(op, (), device=torch.device(device), dtypes=(dtype,))
     res, chosen = choice.resolution, choice.impl
     served = chosen.backend if chosen is not None else "nothing"
@@ -73,15 +72,12 @@ AVAILABLE, NOT_REGISTERED = "available", "-"
 def matrix_rows(device: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
     """(rows, notes): per op (level, name, one cell per backend), the cells "available", "-" (no implementation
     registered) or "(k)", the k-th of `notes` (each distinct reason once, in order of first appearance)."""
-    from liger_dispatch.core.table import TABLE
-    from liger_dispatch.dispatch import backend_status
-
     backends = TABLE.backend_names()
     notes: list[str] = []
     rows = []
     for level in ("user", "kernel"):
         for name in (n for n in TABLE.op_names(level) if not TABLE.spec(n).internal):
-            status = backend_status(name, device, dtype)
+            status = dispatch.backend_status(name, device, dtype)
             cells = []
             for backend in backends:
                 if backend not in status:
@@ -101,9 +97,6 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
-
-    from liger_dispatch.core.selection import env_key
-    from liger_dispatch.core.table import TABLE
 
     console = Console()
     backends = TABLE.backend_names()
@@ -142,7 +135,7 @@ def matrix(device: str, dtype: torch.dtype) -> None:
     env = {k: v for k, v in os.environ.items()
            if k.startswith("LIGER_") or k in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     console.print(f"environment: {env or 'no LIGER_* variables set'}")
-    for name in settings.unknown_variables(env_key(op) for op in TABLE.op_names()):
+    for name in settings.unknown_variables(selection.env_key(op) for op in TABLE.op_names()):
         console.print(f"[yellow]{name} is not a variable liger-dispatch reads (a typo?)[/yellow]")
 
 
@@ -153,11 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                        help="dtype to evaluate (default: bf16 on cuda, fp32 on cpu)")
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, parents=[where])
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", parents=[where], help="a short training + distillation run on this machine")
-    demos.add_arguments(demo)
+    demos.add_arguments(sub.add_parser("demo", parents=[where],
+                                       help="a short training + distillation run on this machine"))
     tune.add_arguments(sub.add_parser("tune", parents=[where], help="time the backends here; write a tuned table"))
-    from liger_dispatch import testing
-
     testing.add_arguments(sub.add_parser("verify", parents=[where],
                                          help="run the conformance suite on one backend (yours: --import it)"))
     args = parser.parse_args(argv)

@@ -74,7 +74,8 @@ class Budget:
 
     def __init__(self, seconds: float, reps: int, *, warmup_ms: float = timing.WARMUP_MS,
                  rep_ms: float = timing.REP_MS, rounds: int = timing.ROUNDS):
-        self.seconds, self.reps, self.warmup_ms, self.rep_ms, self.rounds = seconds, reps, warmup_ms, rep_ms, rounds
+        self.seconds, self.rounds = seconds, rounds
+        self.schedule = {"warmup_ms": warmup_ms, "rep_ms": rep_ms, "min_reps": reps}  # timing.round_share's arguments
         self.deadline = time.monotonic() + seconds
         self._per_call: dict[tuple[str, str], tuple[int, float]] = {}  # (op, backend) -> (bytes, ms)
 
@@ -89,8 +90,7 @@ class Budget:
         nbytes, ms = last
         ms *= point.inputs.nbytes() / max(nbytes, 1)
         if backend != REFERENCE:  # the checking call, then the rounds (the reference makes only the first)
-            ms *= 1 + timing.rounds_calls(ms, self.rounds, warmup_ms=self.warmup_ms, rep_ms=self.rep_ms,
-                                          min_reps=self.reps)
+            ms *= 1 + timing.rounds_calls(ms, self.rounds, **self.schedule)
         return ms / 1e3
 
     def short(self, points: Sequence[Point], backends: Sequence[str]) -> Optional[str]:
@@ -110,8 +110,7 @@ def _describe(exc: BaseException) -> str:
 def measure(sets: Sequence[Point], backends: list[str], dtype: torch.dtype, device: torch.device, budget: Budget,
             log) -> Optional[dict[str, float]]:
     """{backend: ms} of the backends that serve the point and agree with the reference, timed in turn over the
-    rounds, each repetition on the next of `sets` (copies of one point, so that its inputs are not in L2 from the
-    last call); None when the budget does not reach every backend."""
+    rounds on `sets` (the point's copies, rotated); None when the budget does not reach every backend."""
     point, inputs = sets[0], sets[0].inputs
     why = budget.short([point], [REFERENCE, *backends])
     if why:
@@ -149,13 +148,11 @@ def measure(sets: Sequence[Point], backends: list[str], dtype: torch.dtype, devi
             continue
         steps[backend] = timing.step(handle, [p.inputs for p in sets])
     leaves = [leaf for p in sets for leaf in p.inputs.leaves]
-    samples: dict[str, list[float]] = {}
-    timed = list(steps)
+    timed, samples = list(steps), {backend: [] for backend in steps}
     for r, backend in timing.turns(timed, budget.rounds):
         try:
-            samples.setdefault(backend, []).extend(timing.round_samples(
-                steps[backend], leaves, device, r, budget.rounds, warmup_ms=budget.warmup_ms, rep_ms=budget.rep_ms,
-                min_reps=budget.reps))
+            samples[backend] += timing.round_samples(steps[backend], leaves, device, r, budget.rounds,
+                                                     **budget.schedule)
         except Exception as exc:
             log(f"    {backend}: FAILED ({_describe(exc)}); not timed")
             timed.remove(backend)
