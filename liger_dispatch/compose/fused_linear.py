@@ -59,14 +59,15 @@ class _WeightGrad:
 
     def add(self, grad_logits: torch.Tensor, x: torch.Tensor) -> None:
         g_t = grad_logits.t()
-        same_dtype = self.dtype == grad_logits.dtype
-        if self.value is None and not same_dtype:  # an accumulator of another dtype: zeros, then addmm
+        if self.dtype == grad_logits.dtype:
+            if self.value is None:
+                self.value = torch.mm(g_t, x)
+            else:
+                self.value.addmm_(g_t, x)
+            return
+        if self.value is None:  # an accumulator of another dtype: zeros, then addmm into it
             self.value = torch.zeros(g_t.shape[0], x.shape[1], dtype=self.dtype, device=x.device)
-        if self.value is None:
-            self.value = torch.mm(g_t, x)
-        elif same_dtype:
-            self.value.addmm_(g_t, x)
-        elif x.is_cuda:
+        if x.is_cuda:
             torch.addmm(self.value, g_t, x, out_dtype=self.dtype, out=self.value)
         else:
             self.value.addmm_(g_t.to(self.dtype), x.to(self.dtype))

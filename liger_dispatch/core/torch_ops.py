@@ -366,12 +366,15 @@ def _run(spec: OpSpec, args: tuple, kwargs: dict) -> tuple[Args, tuple, dict, ob
     return a, positional, extra, fn(*positional, **options, **extra)
 
 
-def _planned(spec: OpSpec, pinned: tuple[str, ...], a: Args, args: tuple, kwargs: dict) -> tuple[Plan, bool]:
-    """The plan of a torch op's call signature, and whether this call made it (then it is remembered)."""
+def _planned(spec: OpSpec, pinned: tuple[str, ...], a: Optional[Args], args: tuple, kwargs: dict
+             ) -> tuple[Plan, bool]:
+    """The plan of a torch op's call signature, and whether this call made it (then it is remembered); `a`, the bound
+    arguments, is bound here when None and the plan is new."""
     call_key = calls.key(spec, pinned, args, kwargs)
     plan = calls.get(call_key)
     if plan is not None:
         return plan, False
+    a = a if a is not None else spec.schema.bind(args, kwargs)
     plan = _plan(spec, pinned, a, args, kwargs)
     calls.remember(call_key, plan, getattr(a, "process_group", None))
     return plan, True
@@ -495,7 +498,7 @@ def _define_with_backward(spec: OpSpec) -> None:
         options = {**keyword_defaults, **options}  # the dispatcher drops arguments equal to their defaults
         tensors = args[: len(positional)]
         pinned = selection.parse_backends(backend)
-        plan, _ = _planned(spec, pinned, spec.schema.bind(tensors, options), tensors, options)  # the forward warned
+        plan, _ = _planned(spec, pinned, None, tensors, options)  # no warning again: the forward gave it
         grads = plan.fn.backward(*args, need_grads=tuple(need_grads), **options)
         views = views_in_saved(args, options)
         # an input left out (None), one not needing a gradient or one whose gradient is a view of a saved tensor
