@@ -247,15 +247,17 @@ def test_a_key_written_with_torch_full_version_is_read_as_its_major_minor():
     assert not tuned.same_key(dict(key, triton="0.0.1"), key)
 
 
-def test_the_committed_table_applies_on_its_gpu_under_any_build_of_its_torch_minor(monkeypatch):
-    (path,) = tuned.table_files(())
-    table_key, entries = tuned.read_table(path)
-    assert table_key["torch"] == "2.11" and entries
-    here = dict(table_key, torch="2.11.1+cu128")
-    monkeypatch.setattr(tuned, "device_key", lambda device: here)
-    tables = tuned.DeviceTables(tuned.device_key(None), [path])
-    assert tables.applied == [str(path)] and not tables.ignored
-    assert tables.entry("flce", "bfloat16", 4096, (("v", 131072),)).fastest in ("triton", "cutedsl", "helion")
+def test_each_committed_table_applies_on_its_gpu_under_any_build_of_its_torch_minor(monkeypatch):
+    paths = tuned.table_files(())
+    assert {p.name for p in paths} >= {"h200.json", "h100.json"}
+    for path in paths:
+        table_key, entries = tuned.read_table(path)
+        assert table_key["torch"] == "2.11" and entries
+        here = dict(table_key, torch="2.11.1+cu128")
+        monkeypatch.setattr(tuned, "device_key", lambda device: here)
+        tables = tuned.DeviceTables(tuned.device_key(None), paths)
+        assert tables.applied == [str(path)] and len(tables.ignored) == len(paths) - 1, path
+        assert tables.entry("flce", "bfloat16", 4096, (("v", 131072),)).fastest in ("triton", "cutedsl", "helion")
 
 
 def test_a_merged_table_names_the_runs_that_measured_its_entries(table, capsys):
