@@ -54,7 +54,7 @@ def test_given_is_the_set_knobs():
 def test_triton_ops_launch_with_the_knobs_in_effect(monkeypatch):
     seen = []
     monkeypatch.setattr(ce, "row_launch", lambda *args, knobs: seen.append(knobs) or {})
-    monkeypatch.setattr(ce, "_ce_kernel", {(3,): lambda *args, **kwargs: None})
+    monkeypatch.setattr(ce, "launch_row_kernel", lambda *args, **kwargs: None)
     logits, target = torch.randn(3, 8), torch.zeros(3, dtype=torch.int64)
     with ce.LAUNCH.using(block_size=16, num_stages=1):
         ce.ce_loss_and_grad(logits, target)
@@ -71,3 +71,31 @@ def test_triton_mhc_plans_take_the_knobs_in_effect(monkeypatch):
         mhc.mhc_coeff_fwd(x, torch.randn(8, 8), torch.randn(8), *torch.ones(3), hc=2)
     mhc.mhc_coeff_fwd(x, torch.randn(8, 8), torch.randn(8), *torch.ones(3), hc=2)
     assert [knobs for _, knobs in made] == [mhc.ForwardLaunch(BM=16, split=2), None]
+
+
+@pytest.mark.gpu
+def test_triton_row_kernels_launch_directly_from_a_signatures_second_call():
+    """ce, jsd and kl_div's second call of a signature goes through the compiled kernel's launcher (_support.Launch),
+    and gives what the reference gives on fresh inputs, as the first call (through Triton's launch) does."""
+    from liger_dispatch import dispatch
+    from liger_dispatch.backends.triton import jsd, kl_div
+
+    def ce_args():
+        return (torch.randn(5, 1000, device="cuda") * 3, torch.tensor([3, -100, 999, 0, 7], device="cuda")), dict(
+            label_smoothing=0.1, grad_scale=torch.rand(5, device="cuda"))
+
+    def teacher_args():
+        return (torch.randn(5, 1000, device="cuda") * 3, torch.randn(5, 1000, device="cuda").softmax(-1)), {}
+
+    for name, make, kernel in (("ce_loss_and_grad", ce_args, ce._ce_kernel),
+                               ("jsd_loss_and_grad", teacher_args, jsd._jsd_kernel),
+                               ("kl_div_loss_and_grad", teacher_args, kl_div._kl_kernel)):
+        for call in range(2):
+            args, kwargs = make()
+            expected = [t.clone() for t in args]
+            loss = dispatch.op(name, backend="triton")(*args, **kwargs)
+            want = dispatch.op(name, backend="reference")(*expected, **kwargs)
+            assert torch.allclose(loss, want, rtol=1e-4, atol=1e-5), (name, call)
+            assert torch.allclose(args[0], expected[0], rtol=1e-4, atol=1e-6), (name, call)  # the gradients
+        launches = [v for k, v in _support._row_launches._values.items() if k[0] is kernel]
+        assert launches and all(launch.compiled for launch in launches), name

@@ -9,7 +9,8 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, LOG2E, LN2, PRIORITY, RowLaunch,
-    block_start, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh, zero_row,
+    block_start, launch_row_kernel, load_block, load_scale, online_softmax_step, row_launch, scale_args, tanh,
+    zero_row,
 )
 
 
@@ -150,11 +151,12 @@ def ce_loss_and_grad(logits, target, *, grad_scale=None, ignore_index=-100, labe
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
     cap = float(softcap or 1.0)
-    _ce_kernel[(C,)](
-        logits, logits.stride(0), target, target.stride(0), loss, scale, scale_stride,
-        loss if ce_weight is None else ce_weight, loss if row_stats is None else row_stats,
-        0 if row_stats is None else row_stats.stride(0),
-        ignore_index, float(label_smoothing), float(lse_square_scale), cap, 1.0 / cap,
+    launch_row_kernel(
+        _ce_kernel, C,
+        (logits, logits.stride(0), target, target.stride(0), loss, scale, scale_stride,
+         loss if ce_weight is None else ce_weight, loss if row_stats is None else row_stats,
+         0 if row_stats is None else row_stats.stride(0)),
+        (ignore_index, float(label_smoothing), float(lse_square_scale), cap, 1.0 / cap),
         V=V, HAS_SCALE=has_scale, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0,
         HAS_WEIGHT=ce_weight is not None, HAS_STATS=row_stats is not None,
         **row_launch(V, logits, knobs=LAUNCH.current),

@@ -22,7 +22,8 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    block_start, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args, valid_row, zero_row,
+    block_start, launch_row_kernel, load_pair, load_scale, log2, online_softmax_step, row_launch, scale_args,
+    valid_row, zero_row,
 )
 
 FORWARD_KL, REVERSE_KL, MIXTURE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -173,11 +174,11 @@ def jsd_loss_and_grad(student_logits, teacher_logits, labels=None, *, beta=0.5, 
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
     mode = (FORWARD_KL if beta == 0.0 else REVERSE_KL if beta == 1.0 else MIXTURE).value
-    _jsd_kernel[(C,)](
-        student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0),
-        loss if labels is None else labels, 0 if labels is None else labels.stride(0),
-        loss, scale, scale_stride,
-        ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature,
+    launch_row_kernel(
+        _jsd_kernel, C,
+        (student_logits, student_logits.stride(0), teacher_logits, teacher_logits.stride(0),
+         loss if labels is None else labels, 0 if labels is None else labels.stride(0), loss, scale, scale_stride),
+        (ignore_index, float(beta), LOG2E.value / temperature, 1.0 / temperature),
         V=V, MODE=mode, HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
         **row_launch(V, student_logits, teacher_logits, knobs=LAUNCH.current),
     )

@@ -44,7 +44,7 @@ from .._launch import LaunchKnobs
 from .._rows import row_losses
 from ._support import (
     CAPABILITY, FLT_MIN, LOG2E, LN2, PRIORITY, RowLaunch,
-    block_start, load_block, load_scale, log2, row_launch, scale_args, valid_row, zero_row,
+    block_start, launch_row_kernel, load_block, load_scale, log2, row_launch, scale_args, valid_row, zero_row,
 )
 
 NORMALIZED_TOL = tl.constexpr(2.0**-18)
@@ -194,11 +194,11 @@ def kl_div_loss_and_grad(student_logits, target, labels=None, *, ignore_index=-1
         return loss
     scale, scale_stride, has_scale = scale_args(grad_scale, loss)
     knobs = LAUNCH.current
-    _kl_kernel[(C,)](
-        student_logits, student_logits.stride(0), target, target.stride(0),
-        loss if labels is None else labels, 0 if labels is None else labels.stride(0),
-        loss, scale, scale_stride,
-        ignore_index, LOG2E.value / temperature, 1.0 / temperature, max(float(eps), FLT_MIN.value),
+    launch_row_kernel(
+        _kl_kernel, C,
+        (student_logits, student_logits.stride(0), target, target.stride(0),
+         loss if labels is None else labels, 0 if labels is None else labels.stride(0), loss, scale, scale_stride),
+        (ignore_index, LOG2E.value / temperature, 1.0 / temperature, max(float(eps), FLT_MIN.value)),
         V=V, LOG_TARGET=bool(log_target), HAS_LABELS=labels is not None, HAS_SCALE=has_scale,
         TARGET_ONCE=reads_target_once(target, knobs, bool(log_target)),
         **row_launch(V, student_logits, target, knobs=knobs),
