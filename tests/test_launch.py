@@ -76,22 +76,24 @@ def test_triton_mhc_plans_take_the_knobs_in_effect(monkeypatch):
 @pytest.mark.gpu
 def test_triton_row_kernels_launch_directly_from_a_signatures_second_call():
     """ce, jsd and kl_div's second call of a signature goes through the compiled kernel's launcher (_support.Launch),
-    and gives what the reference gives on fresh inputs, as the first call (through Triton's launch) does."""
+    and gives what the reference gives on fresh inputs, as the first call (through Triton's launch) does; a pointer
+    off a 16-byte boundary is a signature of its own (Triton compiles the kernel again for it)."""
     from liger_dispatch import dispatch
     from liger_dispatch.backends.triton import jsd, kl_div
 
-    def ce_args():
+    def ce_args(call):  # the second pair of calls: a 0-d grad_scale 4 bytes past an aligned address, as a mean's is
+        scale = torch.rand(5, device="cuda") if call < 2 else torch.rand(2, device="cuda")[1]
         return (torch.randn(5, 1000, device="cuda") * 3, torch.tensor([3, -100, 999, 0, 7], device="cuda")), dict(
-            label_smoothing=0.1, grad_scale=torch.rand(5, device="cuda"))
+            label_smoothing=0.1, grad_scale=scale)
 
-    def teacher_args():
+    def teacher_args(call):
         return (torch.randn(5, 1000, device="cuda") * 3, torch.randn(5, 1000, device="cuda").softmax(-1)), {}
 
-    for name, make, kernel in (("ce_loss_and_grad", ce_args, ce._ce_kernel),
-                               ("jsd_loss_and_grad", teacher_args, jsd._jsd_kernel),
-                               ("kl_div_loss_and_grad", teacher_args, kl_div._kl_kernel)):
-        for call in range(2):
-            args, kwargs = make()
+    for name, make, kernel, calls in (("ce_loss_and_grad", ce_args, ce._ce_kernel, 4),
+                                      ("jsd_loss_and_grad", teacher_args, jsd._jsd_kernel, 2),
+                                      ("kl_div_loss_and_grad", teacher_args, kl_div._kl_kernel, 2)):
+        for call in range(calls):
+            args, kwargs = make(call)
             expected = [t.clone() for t in args]
             loss = dispatch.op(name, backend="triton")(*args, **kwargs)
             want = dispatch.op(name, backend="reference")(*expected, **kwargs)

@@ -180,13 +180,17 @@ def direct_target(*tensors):
     """(device, stream) for launching compiled kernels directly, or None when this call must go through
     Triton's launch: under the interpreter, with a launch hook installed (profilers), or when a pointer is
     not 16-byte aligned (besides dtypes, the one thing Triton specializes a pointer on). None entries skipped."""
-    if not _FAST_LAUNCH:
-        return None
     bits = 0
     for t in tensors:
         if t is not None:
             bits |= t.data_ptr()
-    if bits & 15 or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    return None if bits & 15 else launch_target()
+
+
+def launch_target():
+    """direct_target for a launch whose plan is keyed by its pointers' alignment too: None only under the
+    interpreter or with a launch hook installed."""
+    if not _FAST_LAUNCH or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return None
     active = driver.active
     device = active.get_current_device()
@@ -201,8 +205,9 @@ class Launch:
     The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
     straight to that kernel's launcher, the tensors as their addresses (given a tensor, the launcher asks the
     driver about each pointer, cuPointerGetAttribute; given an int, it takes it). Sound because the owning plan
-    fixes every scalar and dtype, and a direct target means every pointer is aligned: all that Triton specializes
-    on (that every tensor is on the device is the op's check, same_device)."""
+    fixes every scalar and dtype, and a direct target means every pointer is aligned (direct_target) or the plan is
+    kept per pointer alignment (launch_row_kernel): all that Triton specializes on (that every tensor is on the
+    device is the op's check, same_device)."""
 
     __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
 
@@ -234,8 +239,10 @@ _row_launches = BoundedCache("triton row-kernel launches", 1024)  # one per kern
 
 def launch_row_kernel(kernel, rows: int, args: tuple, scalars: tuple, **options) -> None:
     """kernel[(rows,)](*args, *scalars, **options), one program a row, through a Launch kept per call signature: its
-    key holds what Triton specializes a launch on (each tensor's dtype, each int's value; a pointer's alignment is
-    direct_target's), the scalars and the options. A loss kernel's launch then costs ~1 us of Python, not ~15."""
-    key = (kernel, rows, *[a.dtype if isinstance(a, torch.Tensor) else a for a in args], *scalars, *options.items())
+    key holds all that Triton specializes a launch on (each tensor's dtype and whether its address is 16-byte aligned,
+    each int's value), the scalars and the options. A loss kernel's launch then costs ~1 us of Python, not ~15. The
+    alignment is in the key because a mean's grad_scale is the second float of valid_rows' output (offset 4 bytes)."""
+    key = (kernel, rows, *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a for a in args],
+           *scalars, *options.items())
     launch = _row_launches.get(key, lambda: Launch(kernel, (rows,), scalars, **options))
-    launch(direct_target(*[a for a in args if isinstance(a, torch.Tensor)]), *args)
+    launch(launch_target(), *args)
