@@ -465,7 +465,13 @@ def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], 
     """The gradient of an input in its shape and dtype, or an empty tensor for an input left out or a grad None."""
     if input is None or grad is None:
         return like.new_empty(0)
-    return grad.reshape(input.shape).to(input.dtype).contiguous()  # whatever the input's strides: the fake's
+    # whatever the input's strides, contiguous: the fake's; each step only where it changes something (~2 us a
+    # gradient of dispatcher calls otherwise, six a compiled mHC backward)
+    if grad.shape != input.shape:
+        grad = grad.reshape(input.shape)
+    if grad.dtype != input.dtype:
+        grad = grad.to(input.dtype)
+    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _define_with_backward(spec: OpSpec) -> None:
