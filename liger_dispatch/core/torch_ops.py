@@ -466,7 +466,7 @@ def _grad_or_empty(grad: Optional[torch.Tensor], input: Optional[torch.Tensor], 
     if input is None or grad is None:
         return like.new_empty(0)
     # whatever the input's strides, contiguous: the fake's; each step only where it changes something (~2 us a
-    # gradient of dispatcher calls otherwise, six a compiled mHC backward)
+    # gradient of dispatcher calls otherwise)
     if grad.shape != input.shape:
         grad = grad.reshape(input.shape)
     if grad.dtype != input.dtype:
