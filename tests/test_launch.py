@@ -77,7 +77,7 @@ def test_triton_mhc_plans_take_the_knobs_in_effect(monkeypatch):
 def test_triton_row_kernels_launch_directly_from_a_signatures_second_call():
     """ce, jsd and kl_div's second call of a signature goes through the compiled kernel's launcher (_support.Launch),
     and gives what the reference gives on fresh inputs, as the first call (through Triton's launch) does; a pointer
-    off a 16-byte boundary is a signature of its own (Triton compiles the kernel again for it)."""
+    off a 16-byte boundary gets a compiled kernel of its own (Triton specializes on the alignment)."""
     from liger_dispatch import dispatch
     from liger_dispatch.backends.triton import jsd, kl_div
 

@@ -177,37 +177,28 @@ def _hooked(hook) -> bool:
 
 
 def direct_target(*tensors):
-    """(device, stream) for launching compiled kernels directly, or None when this call must go through
-    Triton's launch: under the interpreter, with a launch hook installed (profilers), or when a pointer is
-    not 16-byte aligned (besides dtypes, the one thing Triton specializes a pointer on). None entries skipped."""
-    bits = 0
-    for t in tensors:
-        if t is not None:
-            bits |= t.data_ptr()
-    return None if bits & 15 else launch_target()
-
-
-def launch_target():
-    """direct_target for a launch whose plan is keyed by its pointers' alignment too: None only under the
-    interpreter or with a launch hook installed."""
+    """((device, alignment), stream) for launching compiled kernels directly, or None when this call must go through
+    Triton's launch: under the interpreter or with a launch hook installed (profilers). alignment: whether each of
+    the tensors (None where None) starts on a 16-byte boundary, besides dtypes the one thing Triton specializes a
+    pointer on, so that a Launch keeps one compiled kernel per device and alignment pattern."""
     if not _FAST_LAUNCH or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         return None
+    alignment = tuple(None if t is None else not t.data_ptr() & 15 for t in tensors)
     active = driver.active
     device = active.get_current_device()
-    return device, active.get_current_stream(device)
+    return (device, alignment), active.get_current_stream(device)
 
 
 class Launch:
     """One kernel launch with its grid, scalar arguments and constexprs fixed: a call passes the tensors (or, once
-    compiled for the device, their addresses).
+    compiled for the device and the pointers' alignment, their addresses).
 
     Triton's launch binds and specializes every argument and looks the compiled kernel up: ~15 us of Python.
-    The compiled kernel it returns is kept per device, and a call with a direct target hands the arguments
+    The compiled kernel it returns is kept per target, and a call with a direct target hands the arguments
     straight to that kernel's launcher, the tensors as their addresses (given a tensor, the launcher asks the
     driver about each pointer, cuPointerGetAttribute; given an int, it takes it). Sound because the owning plan
-    fixes every scalar and dtype, and a direct target means every pointer is aligned (direct_target) or the plan is
-    kept per pointer alignment (launch_row_kernel): all that Triton specializes on (that every tensor is on the
-    device is the op's check, same_device)."""
+    fixes every scalar and dtype, and the compiled kernel is kept per direct target's alignment of the pointers:
+    all that Triton specializes on (that every tensor is on the device is the op's check, same_device)."""
 
     __slots__ = ("kernel", "grid", "scalars", "options", "tail", "compiled")
 
@@ -239,10 +230,9 @@ _row_launches = BoundedCache("triton row-kernel launches", 1024)  # one per kern
 
 def launch_row_kernel(kernel, rows: int, args: tuple, scalars: tuple, **options) -> None:
     """kernel[(rows,)](*args, *scalars, **options), one program a row, through a Launch kept per call signature: its
-    key holds all that Triton specializes a launch on (each tensor's dtype and whether its address is 16-byte aligned,
-    each int's value), the scalars and the options. A loss kernel's launch then costs ~1 us of Python, not ~15. The
-    alignment is in the key because a mean's grad_scale is the second float of valid_rows' output (offset 4 bytes)."""
-    key = (kernel, rows, *[(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else a for a in args],
-           *scalars, *options.items())
+    key holds what Triton specializes a launch on besides the pointers' alignment (direct_target's): each tensor's
+    dtype, each int's value, the scalars and the options. A loss kernel's launch then costs ~1 us of Python, not ~15."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    key = (kernel, rows, *[a.dtype if isinstance(a, torch.Tensor) else a for a in args], *scalars, *options.items())
     launch = _row_launches.get(key, lambda: Launch(kernel, (rows,), scalars, **options))
-    launch(launch_target(), *args)
+    launch(direct_target(*tensors), *args)

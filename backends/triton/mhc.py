@@ -572,7 +572,7 @@ class _BwdPlan:
                               B_ITERS=_pow2(cdiv(n_blocks, rbb)), NBP=_pow2(n + 3), num_warps=4)
 
     def compiled_on(self, target) -> bool:
-        """Every launch has its compiled kernel for the target's device: they can all take addresses."""
+        """Every launch has its compiled kernel for the target (device, alignment): they can all take addresses."""
         return target is not None and all(target[0] in launch.compiled for launch in (self.coeff, self.mm, self.reduce))
 
 
