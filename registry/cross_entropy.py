@@ -232,16 +232,19 @@ def compose_flce(kernel, vocab_parallel=None):
         labels = fl.flat(target).long()
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
-        count, inverse = fl.valid_count(labels, ignore_index) if mean or asked else (None, None)
+        # No gradient to scale and no class weight to rescale by the count: the mean's count after the rows, in the
+        # launch that reduces them (no_grad: four launches, as torch's own cross-entropy)
+        mean_after = mean and not (want_dx or want_dw or want_db) and ce_weight is None
+        count, inverse = fl.valid_count(labels, ignore_index) if (mean or asked) and not mean_after else (None, None)
         weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
                        lse_square_scale=lse_square_scale, ce_weight=weights)
         if row_weights is not None:
             scale = fl.flat(row_weights).to(torch.float32)
-        elif mean:
-            scale = inverse
+        elif mean_after or not mean:
+            scale = None  # 1
         else:
-            scale = torch.ones((), device=x.device)
+            scale = inverse
         row_stats = x.new_empty(x.shape[0], 2, dtype=heads.loss_dtype(x)) if asked else None
 
         def chunk_loss(logits, start, end, chunk_scale):
@@ -255,8 +258,12 @@ def compose_flce(kernel, vocab_parallel=None):
                                          ce_weight=weights))
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
+        elif mean_after:
+            count, _, loss = fl.valid_count(labels, ignore_index, losses=rows)
+        elif row_weights is not None:
+            loss = (rows * scale).sum()
         else:
-            loss = (rows * scale).sum() if row_weights is not None else rows.sum() * scale
+            loss = rows.sum() if scale is None else rows.sum() * scale
         z_loss, token_accuracy = (row_statistics(row_stats, count, reduction, lse_square_scale, target.shape)
                                   if asked else (None, None))
         return (loss, z_loss if return_z_loss else loss.new_empty(0),  # two empties: a torch op's outputs never alias

@@ -4,9 +4,11 @@
         [0, vocab), as torch's own cross-entropy checks (no host sync: a bad label stops the device with a message)
     scale_grad(grad, grad_loss): the backward of a loss whose gradients were computed in the forward pass scales
         them in place by grad_loss (almost always 1: the kernel reads it on the device and returns at once then)
-    valid_rows(target, ignore_index, scale): [count, scale / count] in fp32, count the rows whose target is not
-        ignore_index, at least 1 (all rows ignored: a mean of 0, not NaN): a mean's divisor and gradient scale in one
-        launch, where torch takes four (ne, sum, clamp_min, division)
+    valid_rows(target, ignore_index, scale, losses): [count, scale / count] in fp32, count the rows whose target is
+        not ignore_index, at least 1 (all rows ignored: a mean of 0, not NaN): a mean's divisor and gradient scale in
+        one launch, where torch takes four (ne, sum, clamp_min, division); given the rows' losses (fp32 [n]), a third
+        entry, their sum times scale / count: a mean loss computed after its rows (no gradient to scale) in the same
+        launch
 
 They are not the user's to pin: selection takes the best backend that serves the device, whatever LIGER_BACKEND
 says (OpSpec.internal).
@@ -22,7 +24,7 @@ from liger_dispatch.registry import checks as c
 
 LABELS_SCHEMA = "check_class_indices(Tensor target, *, int vocab, int ignore_index, str name='target') -> ()"
 SCALE_SCHEMA = "scale_grad(Tensor(a!) grad, Tensor grad_loss) -> ()"
-ROWS_SCHEMA = "valid_rows(Tensor target, *, int ignore_index, float scale=1.0) -> Tensor"
+ROWS_SCHEMA = "valid_rows(Tensor target, *, int ignore_index, float scale=1.0, Tensor? losses=None) -> Tensor"
 
 
 
@@ -50,6 +52,12 @@ def check_rows(a):
     c.tensor("target", a.target, integer=True)
     c.integer("ignore_index", a.ignore_index)
     c.positive("scale", a.scale)
+    if a.losses is not None:
+        c.tensor("losses", a.losses, ndim=1)
+        if a.losses.dtype != torch.float32:
+            raise c.InputError(f"losses must be float32 (a loss kernel's rows), got {a.losses.dtype}")
+        c.rows("losses", a.losses.numel(), a.target.numel(), "length")
+        c.same_device(target=a.target, losses=a.losses)
 
 
 def _nothing(a):
@@ -57,7 +65,7 @@ def _nothing(a):
 
 
 def _count_and_scale(a):
-    return a.target.new_empty(2, dtype=torch.float32)
+    return a.target.new_empty(2 if a.losses is None else 3, dtype=torch.float32)
 
 
 OPS = (
@@ -66,7 +74,7 @@ OPS = (
     OpSpec(SCALE_SCHEMA, "kernel", check_scale, fake=_nothing, internal=True,
            summary="in-place scale of a gradient by grad_loss (a no-op read when it is 1)"),
     OpSpec(ROWS_SCHEMA, "kernel", check_rows, fake=_count_and_scale, internal=True,
-           summary="[count, scale / count] of the rows not ignored (count at least 1), in one launch"),
+           summary="[count, scale / count(, scale * mean loss)] of the rows not ignored (count at least 1), in one launch"),
 )
 BACKEND_MODULES = {"check_class_indices": "support", "scale_grad": "support", "valid_rows": "support"}
 BACKENDS = ("reference", "triton")  # the backends with a support module

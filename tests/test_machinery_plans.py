@@ -127,9 +127,9 @@ def test_a_compositions_mean_count_is_kept_by_the_plan(isolated_table, selected,
     assert keyed.count("valid_rows") == 2 and selected.count("valid_rows") == 1  # each plan's first call
     seen = []
 
-    def valid_rows(target, *, ignore_index, scale=1.0):
+    def valid_rows(target, *, ignore_index, scale=1.0, losses=None):
         seen.append(target.shape)
-        return reference_support.valid_rows(target, ignore_index=ignore_index, scale=scale)
+        return reference_support.valid_rows(target, ignore_index=ignore_index, scale=scale, losses=losses)
 
     ld.register_backend("valid_rows", backend="spy", priority=1000, capability=CPU)(valid_rows)
     for _ in range(2):  # registered since: selected again, the spy serves every call

@@ -90,3 +90,50 @@ def test_gpu_triton_gives_the_reference_values(n):
     labels = _labels(n, torch.int64, -100).cuda()
     got = triton_support.valid_rows(labels, ignore_index=-100, scale=1.0 / 3)
     assert torch.equal(got, reference_support.valid_rows(labels, ignore_index=-100, scale=1.0 / 3))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8193])
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_with_the_rows_losses_a_third_entry_is_their_mean(n, ignore_index):
+    """Given the rows' losses (0 where ignored, as the loss kernels write them), [count, scale / count, scale * their
+    sum / count]: a mean loss reduced after its rows in the launch that counts them."""
+    labels = _labels(n, torch.int64, ignore_index)
+    losses = torch.rand(n) * 10
+    losses[labels == ignore_index] = 0
+    got = triton_support.launch_rows(labels, ignore_index, 0.5, losses)
+    expected = reference_support.valid_rows(labels, ignore_index=ignore_index, scale=0.5, losses=losses)
+    assert got.shape == expected.shape == (3,)
+    assert torch.equal(got[:2], expected[:2])
+    count = max(int((labels != ignore_index).sum()), 1)
+    want = losses.double().sum() * 0.5 / count
+    torch.testing.assert_close(got[2].double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(expected[2].double(), want, rtol=1e-6, atol=0)
+
+
+def test_losses_must_be_fp32_one_per_label():
+    labels = torch.randint(0, 5, (6,))
+    spec = TABLE.spec("valid_rows")
+    for losses, message in ((torch.rand(5), "losses: length is 5"), (torch.rand(6).half(), "must be float32")):
+        with pytest.raises(Exception, match=message):
+            spec.check(spec.schema.bind((labels,), dict(ignore_index=-100, losses=losses)))
+
+
+@pytest.mark.parametrize("options", [{}, dict(return_z_loss=True, return_token_accuracy=True, lse_square_scale=1e-3),
+                                     dict(label_smoothing=0.1)])
+@pytest.mark.parametrize("all_ignored", [False, True])
+def test_a_mean_without_gradients_is_the_mean_with_them(options, all_ignored):
+    """flce under no_grad reduces its mean after the rows (no gradient to scale): the same loss and statistics as the
+    call that computes gradients, 0 (not NaN) when every row is ignored."""
+    from liger_dispatch import dispatch
+    torch.manual_seed(0)
+    x, w = torch.randn(12, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    y = torch.full((12,), -100) if all_ignored else _labels(12, torch.int64, -100)
+    op = dispatch.op("flce", backend="reference")
+    with_grads = op(x, w, y, **options)
+    with torch.no_grad():
+        without = op(x, w, y, **options)
+    for got, want in zip(without if isinstance(without, tuple) else (without,),
+                         with_grads if isinstance(with_grads, tuple) else (with_grads,)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    assert (without[0] if isinstance(without, tuple) else without).item() != 0 or all_ignored

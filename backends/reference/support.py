@@ -62,6 +62,9 @@ def scale_grad(grad, grad_loss):
 
 
 @register_backend("valid_rows", backend="reference", priority=PRIORITY, capability=CAPABILITY)
-def valid_rows(target, *, ignore_index, scale=1.0):
+def valid_rows(target, *, ignore_index, scale=1.0, losses=None):
     count = (target != ignore_index).sum(dtype=torch.float32).clamp_min_(1)
-    return torch.stack((count, torch.full_like(count, scale) / count))  # IEEE division, as the Triton kernel's
+    inverse = torch.full_like(count, scale) / count  # IEEE division, as the Triton kernel's
+    if losses is None:
+        return torch.stack((count, inverse))
+    return torch.stack((count, inverse, losses.sum() * inverse))

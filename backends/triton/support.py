@@ -56,18 +56,25 @@ def _scale_kernel(
 @triton.jit
 def _rows_kernel(
     T,  # [n] labels
-    OUT,  # [2] fp32: count (at least 1), scale / count
-    n, ignore_index, scale, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+    L,  # [n] fp32 losses; unread without HAS_LOSSES
+    OUT,  # [2] fp32: count (at least 1), scale / count; [3] with HAS_LOSSES: then sum(L) * scale / count
+    n, ignore_index, scale, HAS_LOSSES: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     counts = tl.zeros([BLOCK], dtype=tl.int32)
+    sums = tl.zeros([BLOCK], dtype=tl.float32)
     for step in range(STEPS):  # a constexpr trip count: the interpreter takes no runtime loop bound
         offs = step * BLOCK + tl.arange(0, BLOCK)
         in_rows = offs < n
         t = tl.load(T + offs, mask=in_rows, other=0)
         counts += ((t != ignore_index) & in_rows).to(tl.int32)
+        if HAS_LOSSES:
+            sums += tl.load(L + offs, mask=in_rows, other=0.0)
     count = tl.maximum(tl.sum(counts, axis=0).to(tl.float32), 1.0)
+    inverse = tl.div_rn(scale, count)  # IEEE division, as torch's (Triton's `/` is approximate)
     tl.store(OUT, count)
-    tl.store(OUT + 1, tl.div_rn(scale, count))  # IEEE division, as torch's (Triton's `/` is approximate)
+    tl.store(OUT + 1, inverse)
+    if HAS_LOSSES:
+        tl.store(OUT + 2, tl.sum(sums, axis=0) * inverse)
 
 
 def launch_check(target, vocab, ignore_index, name="target"):
@@ -95,16 +102,20 @@ def launch_scale(grad, grad_loss):
         _launches.get(key, plan)(direct_target(grad, grad_loss), grad, grad_loss)
 
 
-def launch_rows(target, ignore_index, scale):
-    """valid_rows of a 1-D contiguous target (the interpreter runs it on CPU tensors: the tests)."""
+def launch_rows(target, ignore_index, scale, losses=None):
+    """valid_rows of a 1-D contiguous target and losses (the interpreter runs it on CPU tensors: the tests)."""
     n = target.numel()
-    out = torch.empty(2, dtype=torch.float32, device=target.device)
+    has_losses = losses is not None
+    out = torch.empty(3 if has_losses else 2, dtype=torch.float32, device=target.device)
+    losses = losses if has_losses else out  # a pointer the kernel does not read
 
     def plan():
         steps = max(triton.cdiv(n, ROWS_BLOCK), 1)
-        return Launch(_rows_kernel, (1,), (n, ignore_index, scale), num_warps=8, STEPS=steps, BLOCK=ROWS_BLOCK)
+        return Launch(_rows_kernel, (1,), (n, ignore_index, scale), num_warps=8, HAS_LOSSES=has_losses, STEPS=steps,
+                      BLOCK=ROWS_BLOCK)
 
-    _launches.get((_rows_kernel, n, ignore_index, scale, target.dtype), plan)(direct_target(target, out), target, out)
+    key = (_rows_kernel, n, ignore_index, scale, target.dtype, has_losses)
+    _launches.get(key, plan)(direct_target(target, losses, out), target, losses, out)
     return out
 
 
@@ -127,5 +138,5 @@ def scale_grad(grad, grad_loss):
 
 
 @register_backend("valid_rows", backend="triton", priority=PRIORITY, capability=CUDA_ONLY)
-def valid_rows(target, *, ignore_index, scale=1.0):
-    return launch_rows(_flat(target), ignore_index, float(scale))
+def valid_rows(target, *, ignore_index, scale=1.0, losses=None):
+    return launch_rows(_flat(target), ignore_index, float(scale), None if losses is None else _flat(losses))

@@ -87,20 +87,22 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: torch.Tensor,
+def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
                want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
     """Runs the chunk loop: (loss_rows fp32 [N], dx, dw, db), None for an unwanted gradient. chunk_loss(logits, start,
     end, scale) overwrites logits with scale times their gradient and returns the per-row loss; grad_scale (0-d or [N],
-    on the device) weights the rows. row_bound: a bound of each row's gradient L1 norm (the family's grad_bound), asked
+    on the device, or None: 1) weights the rows. row_bound: a bound of each row's gradient L1 norm (the family's grad_bound), asked
     for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit (a teacher's logits), for the budget.
     vocab_parallel: the VocabShard of a vocab-parallel call, or None."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
-    if x.dtype == torch.float16 and n > 0:
+    if x.dtype == torch.float16 and n > 0 and (want_dx or want_dw or want_db):
         bound = row_bound() if vocab_parallel is None else vocab_parallel.bound_over_ranks(row_bound, x, vocab)
         if vocab:  # an empty vocabulary slice (vocab-parallel) writes no gradient
+            if grad_scale is None:
+                grad_scale = torch.ones((), device=x.device)
             kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
             accum_dtype = torch.float32
     rows = chunk_rows(n, vocab if vocab_parallel is None else vocab_parallel.widest,
@@ -114,8 +116,8 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         end = min(start + rows, n)
         x_c, logits = chunk_of(x, start, end), chunk_of(buffer, 0, end - start)
         linear_into(x_c, weight, bias, logits)
-        losses.append(chunk_loss(logits, start, end, chunk_of(kernel_scale, start, end) if kernel_scale.dim()
-                                 else kernel_scale))
+        losses.append(chunk_loss(logits, start, end, kernel_scale if kernel_scale is None or not kernel_scale.dim()
+                                 else chunk_of(kernel_scale, start, end)))
         if dx is not None:
             torch.mm(logits, weight, out=chunk_of(dx, start, end))
         if dw is not None:
@@ -141,10 +143,15 @@ def chunk_of(t: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.
     return t if t is None or (start == 0 and end == t.shape[0]) else t[start:end]
 
 
-def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0,
+                losses: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """(count, scale / count) as fp32 device scalars, count the non-ignored rows, at least 1 (all ignored -> loss 0,
-    not NaN): one launch (registry/support.py's valid_rows), no sync."""
-    return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale)).unbind()
+    not NaN), then, given the rows' fp32 losses, their mean times scale: one launch (registry/support.py's
+    valid_rows), no sync."""
+    kwargs = dict(ignore_index=ignore_index, scale=scale)
+    if losses is not None:
+        kwargs["losses"] = losses
+    return calls.machinery(TABLE.spec("valid_rows"), (labels,), kwargs).unbind()
 
 
 def mean_scale(labels: Optional[torch.Tensor], n: int, ignore_index: int, device, scale: float = 1.0) -> torch.Tensor:
@@ -155,6 +162,9 @@ def mean_scale(labels: Optional[torch.Tensor], n: int, ignore_index: int, device
 
 
 def flat(t: torch.Tensor, last: Optional[int] = None) -> torch.Tensor:
+    """t as [-1] (or [-1, last]): itself when it already is one (no view made per call)."""
+    if t.dim() == (1 if last is None else 2):
+        return t
     return t.reshape(-1) if last is None else t.reshape(-1, last)
 
 
