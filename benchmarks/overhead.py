@@ -37,7 +37,8 @@ def measure(device: torch.device) -> list[tuple[str, Outcome]]:
 
     def noop(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
              label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
-             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None,
+             logits_grad=False):
         """flce's signature (the schema, then the implementations' extras): the loss, no statistics, no
         gradients."""
         return result, empty, empty, None, None, None

@@ -226,7 +226,8 @@ def compose_flce(kernel, vocab_parallel=None):
 
     def flce(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
              label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
-             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None,
+             logits_grad=False):
         want_dx, want_dw, want_db = fl.wanted_grads(need_grads, 3)
         x = fl.flat(input, input.shape[-1])
         labels = fl.flat(target).long()
@@ -253,7 +254,7 @@ def compose_flce(kernel, vocab_parallel=None):
 
         rows, dx, dw, db = fl.run_chunks(
             x, weight, bias, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=want_db and bias is not None,
-            accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
+            accum_dtype=accum_dtype, vocab_parallel=vocab_parallel, logits_grad=logits_grad,
             row_bound=lambda: grad_bound(x, weight, bias, softcap=softcap, lse_square_scale=lse_square_scale,
                                          ce_weight=weights))
         if reduction == "none" and row_weights is None:
@@ -353,7 +354,8 @@ OPS = (
     OpSpec(FLCE_SCHEMA, "user", check_flce, value_check=heads.target_classes, aliases=("fused_linear_cross_entropy",),
            composed_of=("ce_loss_and_grad",), compose=compose_flce, probe=probe_flce,
            differentiable=("input", "weight", "bias"), autocast=("input", "weight", "bias"),
-           impl_extra=f"{heads.NEED_GRADS}, {heads.ROW_WEIGHTS}", fake=fake_flce, result=flce_result,
+           impl_extra=f"{heads.NEED_GRADS}, {heads.ROW_WEIGHTS}, {heads.LOGITS_GRAD}", fake=fake_flce, result=flce_result,
+           logits_grad=lambda a: heads.keeps_logits_grad(a.input, a.weight, a.accum_dtype, a.process_group),
            vocab_parallel=VocabParallel("weight", sliced={"weight": 0, "bias": 0},
                                         replicated={"input": False, "target": True, "ce_weight": True},
                                         kernel=vocab_parallel_kernel),

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from liger_dispatch.compose import fused_linear as fl
 from liger_dispatch.core.table import TensorSpec
 from liger_dispatch.errors import InputError
 from liger_dispatch.registry import checks as c
@@ -17,6 +18,8 @@ from liger_dispatch.registry import checks as c
 # loss (the backward of reduction="none" is the gradient of sum_i w_i loss_i).
 NEED_GRADS = "bool[] need_grads=[]"
 ROW_WEIGHTS = "Tensor? row_weights=None"
+# ... and, traced by torch.compile, the logits' gradient [N, V] in place of the weight's (OpSpec.logits_grad)
+LOGITS_GRAD = "bool logits_grad=False"
 
 
 def head(input_name, input, weight_name, weight):
@@ -31,6 +34,14 @@ def head(input_name, input, weight_name, weight):
     if input.shape[-1] == 0:
         raise InputError(f"{input_name} has shape {tuple(input.shape)}: its hidden size (last dim) is 0")
     return input.shape[:-1].numel(), weight.shape[0]
+
+
+def keeps_logits_grad(input, weight, accum_dtype, process_group, extra_bytes_per_logit=0) -> bool:
+    """OpSpec.logits_grad of an LM-head loss: its rows run as one chunk (fused_linear.run_chunks) without an fp16
+    gradient factor or a wider accumulator, on one rank."""
+    if input.dtype == torch.float16 or accum_dtype not in (None, weight.dtype) or process_group is not None:
+        return False
+    return fl.one_chunk(input.shape[:-1].numel(), weight.shape[0], input.element_size() + extra_bytes_per_logit)
 
 
 def accum_dtype(value):

@@ -109,7 +109,7 @@ def compose(kernel, vocab_parallel=None):
 
     def fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels=None, *,
                          jsd_beta=0.5, ignore_index=-100, temperature=1.0, scale_by_temperature_squared=False,
-                         accum_dtype=None, process_group=None, need_grads=()):
+                         accum_dtype=None, process_group=None, need_grads=(), logits_grad=False):
         want_dx, want_dw = fl.wanted_grads(need_grads, 2)
         x = fl.flat(student_input, student_input.shape[-1])
         xt = fl.flat(teacher_input, teacher_input.shape[-1])
@@ -129,7 +129,7 @@ def compose(kernel, vocab_parallel=None):
         rows, dx, dw, _ = fl.run_chunks(
             x, student_weight, None, scale, chunk_loss, extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
             want_dw=want_dw, want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
-            row_bound=lambda: grad_bound(xt, teacher_weight, beta=jsd_beta, temperature=temperature))
+            logits_grad=logits_grad, row_bound=lambda: grad_bound(xt, teacher_weight, beta=jsd_beta, temperature=temperature))
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
@@ -188,8 +188,10 @@ OPS = (
            summary="vocab-parallel JSD: a slice's gradient from the global stats"),
     OpSpec(SCHEMA, "user", check_fused_linear_jsd, composed_of=("jsd_loss_and_grad",), compose=compose, probe=probe,
            differentiable=("student_input", "student_weight"),
-           autocast=("student_input", "student_weight", "teacher_input", "teacher_weight"), impl_extra=heads.NEED_GRADS,
+           autocast=("student_input", "student_weight", "teacher_input", "teacher_weight"), impl_extra=f"{heads.NEED_GRADS}, {heads.LOGITS_GRAD}",
            fake=heads.fake_scalar_loss,
+           logits_grad=lambda a: heads.keeps_logits_grad(a.student_input, a.student_weight, a.accum_dtype,
+                                                         a.process_group, a.teacher_input.element_size()),
            vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "teacher_weight": 0},
                                         replicated={"student_input": False, "teacher_input": True,
                                                     "shift_labels": True}, kernel=vocab_parallel_kernel),

@@ -117,7 +117,7 @@ def compose(kernel, vocab_parallel=None):
 
     def fused_linear_kl_div(student_input, student_weight, target, shift_labels=None, *, reduction="batchmean",
                             ignore_index=-100, temperature=1.0, eps=1e-10, log_target=False, accum_dtype=None,
-                            process_group=None, need_grads=()):
+                            process_group=None, need_grads=(), logits_grad=False):
         want_dx, want_dw = fl.wanted_grads(need_grads, 2)
         x = fl.flat(student_input, student_input.shape[-1])
         vocab = student_weight.shape[0]
@@ -138,7 +138,7 @@ def compose(kernel, vocab_parallel=None):
 
         rows, dx, dw, _ = fl.run_chunks(
             x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=False,
-            accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
+            accum_dtype=accum_dtype, vocab_parallel=vocab_parallel, logits_grad=logits_grad,
             row_bound=lambda: grad_bound(probs, temperature=temperature, log_target=log_target))
         return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
 
@@ -201,7 +201,10 @@ OPS = (
     OpSpec(SCHEMA, "user", check_fused_linear_kl_div, value_check=target_probabilities,
            composed_of=("kl_div_loss_and_grad",), compose=compose,
            probe=probe, differentiable=("student_input", "student_weight"),
-           autocast=("student_input", "student_weight"), impl_extra=heads.NEED_GRADS, fake=heads.fake_scalar_loss,
+           autocast=("student_input", "student_weight"), impl_extra=f"{heads.NEED_GRADS}, {heads.LOGITS_GRAD}",
+           fake=heads.fake_scalar_loss,
+           logits_grad=lambda a: heads.keeps_logits_grad(a.student_input, a.student_weight, a.accum_dtype,
+                                                         a.process_group),
            vocab_parallel=VocabParallel("student_weight", sliced={"student_weight": 0, "target": -1},
                                         replicated={"student_input": False, "shift_labels": True},
                                         kernel=vocab_parallel_kernel),

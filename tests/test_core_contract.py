@@ -237,7 +237,8 @@ def test_what_a_backend_returns_is_checked_against_the_fake(isolated_table, wron
 def test_a_whole_op_implementation_returning_one_gradient_too_few_is_named(isolated_table):
     def flce(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
              label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
-             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+             return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None,
+             logits_grad=False):
         empty = torch.empty(0)
         return torch.zeros((), dtype=torch.float32), empty, empty, None, None  # the bias gradient is missing
 

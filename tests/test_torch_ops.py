@@ -122,6 +122,7 @@ def test_opcheck_losses(op):
     args = loss_inputs(op)
     need = [True] * len(TABLE.spec(op).differentiable)
     _opcheck(op, args, dict(LOSSES[op], need_grads=need, backend="reference"))
+    _opcheck(op, args, dict(LOSSES[op], need_grads=need, logits_grad=True, backend="reference"))
     if op == "flce":
         _opcheck(op, args, dict(reduction="none", backend="reference"))
         _opcheck(op, (*args, None, torch.rand(N)), dict(reduction="sum", need_grads=[True, True, True],
@@ -186,6 +187,49 @@ def test_backward_op_outputs_are_aligned_and_unaliased(backend):
 def test_compile_fullgraph_losses(op, backend):
     handle = handle_here(op, backend)
     compiled_equals_eager(lambda *a: handle(*a, **LOSSES[op]), loss_inputs(op))
+
+
+def _logits_grad_asked(monkeypatch) -> list:
+    """What each composed call's run_chunks was asked for logits_grad (OpSpec.logits_grad)."""
+    from liger_dispatch.compose import fused_linear as fl
+    asked, run_chunks = [], fl.run_chunks
+    monkeypatch.setattr(fl, "run_chunks", lambda *a, **k: asked.append(k.get("logits_grad")) or run_chunks(*a, **k))
+    return asked
+
+
+@pytest.mark.parametrize("op", list(LOSSES))
+def test_compiled_backward_makes_the_weight_gradient_from_the_logits_gradient(op, monkeypatch):
+    """Traced, a call of one chunk keeps the logits' gradient for its backward's weight-gradient GEMM, grad_loss
+    applied through the input: the gradients of 0.37 * loss are eager's, and eager calls never ask for it."""
+    asked = _logits_grad_asked(monkeypatch)
+    handle, args = dispatch.op(op, backend="reference"), loss_inputs(op)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def fn(*a):
+        return handle(*a, **LOSSES[op]) * 0.37
+
+    want = torch.autograd.grad(fn(*args), leaves)
+    assert asked == [False]
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, fullgraph=True)(*args), leaves)
+    assert asked == [False, True]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert_rel_close(op, g, w, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["chunks", "accum_dtype"])
+def test_compiled_calls_of_several_chunks_or_a_wider_accumulator_scale_the_weight_gradient(case, monkeypatch):
+    """(A bf16 weight's gradient accumulated in fp32.)"""
+    asked = _logits_grad_asked(monkeypatch)
+    handle = dispatch.op("flce", backend="reference")
+    args = loss_inputs("flce", dtype=torch.bfloat16 if case == "accum_dtype" else torch.float32)
+    options = dict(accum_dtype=torch.float32) if case == "accum_dtype" else {}
+    if case == "chunks":
+        monkeypatch.setenv("LIGER_CHUNK_ROWS", "3")
+    torch._dynamo.reset()
+    compiled_equals_eager(lambda *a: handle(*a, **options), args)
+    assert asked == [False, False]
 
 
 def test_compile_fullgraph_flce_without_bias():

@@ -180,7 +180,8 @@ def test_tune_with_no_backend_but_the_reference_writes_nothing(tmp_path, capsys)
 def test_tune_whose_every_backend_fails_writes_no_table(isolated_table, tmp_path, capsys):
     def broken(input, weight, target, bias=None, ce_weight=None, *, ignore_index=-100, reduction="mean",
                label_smoothing=0.0, softcap=None, lse_square_scale=0.0, return_z_loss=False,
-               return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None):
+               return_token_accuracy=False, accum_dtype=None, process_group=None, need_grads=(), row_weights=None,
+               logits_grad=False):
         raise RuntimeError("this kernel always fails")
 
     ld.register_backend("flce", backend="broken", priority=1 << 20,

@@ -29,6 +29,11 @@ from liger_dispatch import settings
 ROW_ALIGN = 64
 
 
+def one_chunk(n_rows: int, vocab: int, bytes_per_logit: int) -> bool:
+    """Whether rows of this many logits (bytes_per_logit: what a chunk keeps per logit) run as one chunk."""
+    return chunk_rows(n_rows, vocab, bytes_per_logit) >= n_rows
+
+
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
     forced = settings.CHUNK_ROWS.get()
@@ -90,12 +95,15 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
                chunk_loss: Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor], *,
                row_bound: Callable[[], grad_bounds.Bound], extra_bytes_per_logit: int = 0, want_dx: bool,
-               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None):
+               want_dw: bool, want_db: bool, accum_dtype: Optional[torch.dtype] = None, vocab_parallel=None,
+               logits_grad: bool = False):
     """Runs the chunk loop: (loss_rows fp32 [N], dx, dw, db), None for an unwanted gradient. chunk_loss(logits, start,
     end, scale) overwrites logits with scale times their gradient and returns the per-row loss; grad_scale (0-d or [N],
     on the device, or None: 1) weights the rows. row_bound: a bound of each row's gradient L1 norm (the family's grad_bound), asked
     for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit (a teacher's logits), for the budget.
-    vocab_parallel: the VocabShard of a vocab-parallel call, or None."""
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None. logits_grad (asked with want_dw, for a call of one
+    chunk without an fp16 gradient factor: heads.keeps_logits_grad): the logits' gradient [N, V] takes dW's place
+    (dW = its transpose @ x), left for the backward."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
     if x.dtype == torch.float16 and n > 0 and (want_dx or want_dw or want_db):
@@ -105,11 +113,11 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                 grad_scale = torch.ones((), device=x.device)
             kernel_scale, unscale = grad_bounds.split_scale(grad_scale, bound, weight)
             accum_dtype = torch.float32
-    rows = chunk_rows(n, vocab if vocab_parallel is None else vocab_parallel.widest,
-                      x.element_size() + extra_bytes_per_logit)
+    rows = n if logits_grad else chunk_rows(n, vocab if vocab_parallel is None else vocab_parallel.widest,
+                                            x.element_size() + extra_bytes_per_logit)
     buffer = torch.empty(min(rows, n), vocab, dtype=x.dtype, device=x.device)
     dx = torch.empty_like(x) if want_dx else None
-    dw = _WeightGrad(weight, accum_dtype) if want_dw else None
+    dw = _WeightGrad(weight, accum_dtype) if want_dw and not logits_grad else None
     db = torch.zeros(vocab, dtype=grad_bounds.wide(x), device=x.device) if want_db else None
     losses = []
     for start in range(0, n, rows):
@@ -135,6 +143,9 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
                 grad.mul_(unscale)
     if dx is not None and vocab_parallel is not None:
         vocab_parallel.sum_over_ranks(dx)
+    if logits_grad:
+        assert unscale is None, "logits_grad is asked only without an fp16 gradient factor"
+        return loss_rows, dx, buffer, db
     return loss_rows, dx, (dw.result(unscale) if dw is not None else None), db
 
 

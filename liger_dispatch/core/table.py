@@ -56,6 +56,11 @@ class OpSpec:
     grads_in_saved: grads_in_saved(a, saved) -> {input name: its gradient as a view of the saved tensors}, for a
         backward that writes gradients into what it saved. The torch op's backward returns those empty (a torch
         op's outputs alias no input) and its autograd takes the views.
+    logits_grad: logits_grad(a) -> bool, for a loss whose implementations compute its gradients in the forward pass
+        and take `logits_grad` (registry/heads.LOGITS_GRAD), its first two differentiable tensors an input [..., H]
+        and a weight [V, H]: whether a call traced by torch.compile asks for the logits' gradient [N, V] in the
+        weight gradient's place. Its backward then makes the weight's gradient with one GEMM, grad_loss applied to
+        the input, where scaling a saved [V, H] gradient in place costs inductor a copy of it.
     vocab_parallel: a user-level loss's compose.vocab_parallel.VocabParallel, where it has that path.
     tuning: a user-level op's tuning.points.Tuning (buckets, the points to time), where tuned tables order it.
     internal: an op the machinery calls (registry/support.py): backend preferences do not apply to it."""
@@ -75,6 +80,7 @@ class OpSpec:
     autocast: tuple[str, ...] = ()
     saved: str = ""
     grads_in_saved: Optional[Callable[[Args, tuple], dict]] = None
+    logits_grad: Optional[Callable[[Args], bool]] = None
     vocab_parallel: Optional[object] = None
     tuning: Optional[object] = None
     internal: bool = False

@@ -84,13 +84,15 @@ class _GradsInForward(torch.autograd.Function):
     gradient per differentiable input; the function returns the first `returned`, only the loss with a gradient.
     The backward scales the gradients by grad_loss in place with scale_grad (registry/support.py), which returns at
     once when grad_loss, read on the device, is 1 (loss.backward()): testing it on the host is a sync, and scaling a
-    [V, H] weight gradient is a full read and write of it (~0.5 ms at a 128k x 4k head)."""
+    [V, H] weight gradient is a full read and write of it (~0.5 ms at a 128k x 4k head).
+    With `logits_grad` (OpSpec.logits_grad) the weight's place holds the logits' gradient G [N, V] instead, and the
+    backward makes the weight's gradient G.T @ (grad_loss x), x the input flattened: no [V, H] tensor is scaled."""
 
     @staticmethod
-    def forward(ctx, op, run, scale, outputs, returned, *tensors):
+    def forward(ctx, op, run, scale, outputs, returned, logits_grad, *tensors):
         results = run()
-        ctx.save_for_backward(*results[outputs:])
-        ctx.op, ctx.scale = op, scale
+        ctx.save_for_backward(*results[outputs:], *(tensors[:1] if logits_grad else ()))
+        ctx.op, ctx.scale, ctx.logits_grad = op, scale, logits_grad
         if returned == 1:
             return results[0]
         returning = _returned(results, outputs, returned)
@@ -101,11 +103,17 @@ class _GradsInForward(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         once_differentiable(ctx.op)
         _once(ctx, f"{ctx.op} scales the gradients it computed in the forward pass in place")
-        grads = _wanted(ctx.saved_tensors, ctx.needs_input_grad[5:])
+        saved = ctx.saved_tensors
+        grads = list(_wanted(saved, ctx.needs_input_grad[6:]))
         for place, grad in enumerate(grads):
-            if grad is not None:
+            if grad is None:
+                continue
+            if ctx.logits_grad and place == 1:
+                x = saved[-1]
+                grads[1] = torch.mm(grad.t(), (x.reshape(-1, x.shape[-1]) * grad_loss).to(grad.dtype))
+            else:
                 ctx.scale(place, grad, grad_loss)
-        return None, None, None, None, None, *grads
+        return None, None, None, None, None, None, *grads
 
 
 class _RowLosses(torch.autograd.Function):
@@ -191,8 +199,16 @@ def _expected(spec: OpSpec, args: tuple, kwargs: dict):
         return outputs
     need = wanted_grads(kwargs.get("need_grads", ()), len(spec.differentiable))
     inputs = [getattr(a, n) for n in spec.differentiable]
-    return (*_as_tuple(outputs), *(results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
-                                   for w, t in zip(need, inputs)))
+    grads = [results.Like(t.shape, grad_dtype(t), t.device) if w and t is not None else None
+             for w, t in zip(need, inputs)]
+    if kwargs.get("logits_grad"):
+        grads[1] = results.Like(_logits_shape(inputs), inputs[1].dtype, inputs[1].device)
+    return (*_as_tuple(outputs), *grads)
+
+
+def _logits_shape(inputs) -> tuple[int, int]:
+    """[N, V] of a loss's input [..., H] and weight [V, H] (OpSpec.logits_grad)."""
+    return inputs[0].shape[:-1].numel(), inputs[1].shape[0]
 
 
 def _as_tuple(outputs) -> tuple:
@@ -258,7 +274,7 @@ def _launcher(spec: OpSpec, fn: Callable, a: Args, scales: calls.Kernels) -> Cal
         scales.run(place, scale_spec, (grad, grad_loss), {})
 
     return lambda a, args, kwargs: _apply(_GradsInForward, (spec.name, lambda: fn(*args, **kwargs, need_grads=need),
-                                                            scale, outputs, outputs), tensors(a))
+                                                            scale, outputs, outputs, False), tensors(a))
 
 
 def _own_outputs(count: int) -> Callable[[tuple], object]:
@@ -413,6 +429,8 @@ def _define_loss(spec: OpSpec) -> None:
         need = wanted_grads(extra.get("need_grads", ()), count)
         inputs = [getattr(a, n) for n in spec.differentiable]
         grads = [torch.empty_like(t, dtype=grad_dtype(t)) if w else None for w, t in zip(need, inputs)]
+        if extra.get("logits_grad"):
+            grads[1] = inputs[1].new_empty(_logits_shape(inputs))
         return outputs(a, need, _as_tuple(spec.fake(a)), grads)
 
     op = _define(spec.name, _torch_schema(spec, _tensors(returned + count)), impl, fake)
@@ -424,7 +442,8 @@ def _define_loss(spec: OpSpec) -> None:
                 return op(*args[:own], grad_rows, **{**kwargs, "reduction": "sum", "need_grads": needs})[returned:]
 
             return _RowLosses.apply(spec.name, run, backward, returned + count, *tensors)
-        return _GradsInForward.apply(spec.name, run, _scale, returned, returned + count, *tensors)
+        return _GradsInForward.apply(spec.name, run, _scale, returned, returned + count,
+                                     bool(kwargs.get("logits_grad")), *tensors)
 
     _register_autograd(spec, op, under_autograd)
 
@@ -560,6 +579,8 @@ def call(spec: OpSpec, backend: Optional[str], a: Args):
         options["process_group"] = vocab_parallel.group_name(options["process_group"])
     if _grads_in_forward(spec):
         need = [] if _row_losses(a) else list(_needs(spec, a))
+        if spec.logits_grad is not None and need[1:2] == [True] and spec.logits_grad(a):
+            options["logits_grad"] = True
         return _own_outputs(spec.schema.returns)(op(*positional, **options, need_grads=need, backend=backend))
     return op(*positional, **options, backend=backend)[:spec.schema.returns]
 
