@@ -260,7 +260,8 @@ def compose_flce(kernel, vocab_parallel=None):
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
         elif mean_after:
-            count, _, loss = fl.valid_count(labels, ignore_index, losses=rows)
+            mean_stats = fl.mean_of_rows(rows, labels, ignore_index)
+            loss, count = mean_stats[2], mean_stats[0] if asked else None
         elif row_weights is not None:
             loss = (rows * scale).sum()
         else:

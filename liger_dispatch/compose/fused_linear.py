@@ -39,6 +39,8 @@ def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     forced = settings.CHUNK_ROWS.get()
     if forced:
         return max(1, min(forced, n_rows))
+    if n_rows <= ROW_ALIGN:  # one chunk under any budget (the limit is at least ROW_ALIGN)
+        return max(n_rows, 1)
     budget = settings.CHUNK_BUDGET_MB.get() * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:
@@ -154,15 +156,16 @@ def chunk_of(t: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.
     return t if t is None or (start == 0 and end == t.shape[0]) else t[start:end]
 
 
-def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0,
-                losses: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, scale / count) as fp32 device scalars, count the non-ignored rows, at least 1 (all ignored -> loss 0,
-    not NaN), then, given the rows' fp32 losses, their mean times scale: one launch (registry/support.py's
-    valid_rows), no sync."""
-    kwargs = dict(ignore_index=ignore_index, scale=scale)
-    if losses is not None:
-        kwargs["losses"] = losses
-    return calls.machinery(TABLE.spec("valid_rows"), (labels,), kwargs).unbind()
+    not NaN): one launch (registry/support.py's valid_rows), no sync."""
+    return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale)).unbind()
+
+
+def mean_of_rows(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """[count, 1 / count, the losses' mean] in fp32 on the device, the mean over the rows not ignored (0 when all are):
+    one launch (valid_rows given the losses), for a mean whose count no gradient needed before its rows."""
+    return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, losses=losses))
 
 
 def mean_scale(labels: Optional[torch.Tensor], n: int, ignore_index: int, device, scale: float = 1.0) -> torch.Tensor:
