@@ -83,6 +83,8 @@ class Setting:
     def __init__(self, name: str, parse: Callable[[str], object], accepts: str, default, effect: str):
         self.name, self.parse, self.accepts, self.default, self.effect = name, parse, accepts, default, effect
         self._parsed: dict[str, object] = {}
+        if _ENV_ENCODE is not None:  # encoded now: code torch.compile traces reads the cache, which must not change
+            _encoded_keys[name] = _ENV_ENCODE(name)
 
     def get(self):
         raw = getenv(self.name)

@@ -41,7 +41,8 @@ def keeps_logits_grad(input, weight, accum_dtype, process_group, extra_bytes_per
     gradient factor or a wider accumulator, on one rank."""
     if input.dtype == torch.float16 or accum_dtype not in (None, weight.dtype) or process_group is not None:
         return False
-    return fl.one_chunk(input.shape[:-1].numel(), weight.shape[0], input.element_size() + extra_bytes_per_logit)
+    rows = math.prod(input.shape[:-1])  # not Size.numel(): it specializes a symbolic N (torch.compile, dynamic)
+    return fl.one_chunk(rows, weight.shape[0], input.element_size() + extra_bytes_per_logit)
 
 
 def accum_dtype(value):

@@ -218,6 +218,25 @@ def test_compiled_backward_makes_the_weight_gradient_from_the_logits_gradient(op
         assert_rel_close(op, g, w, 1e-5)
 
 
+def test_a_compiled_loss_of_dynamic_rows_compiles_once(monkeypatch):
+    """The one-chunk decision reads N symbolically (no specialization on it) and the settings without changing
+    what the trace guards on: one graph for every N under the chunk limit."""
+    asked = _logits_grad_asked(monkeypatch)
+    handle = dispatch.op("flce", backend="reference")
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda *a: handle(*a) * 0.5, fullgraph=True, dynamic=True)
+    w = torch.randn(V, H, requires_grad=True)
+    for n in (5, 9, 30):
+        x, y = torch.randn(n, H, requires_grad=True), torch.randint(0, V, (n,))
+        got = torch.autograd.grad(step(x, w, y), (x, w))
+        want = torch.autograd.grad(handle(x, w, y) * 0.5, (x, w))
+        for g, ref in zip(got, want):
+            assert_rel_close("dynamic", g, ref, 1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert asked == [True, False] * 3  # compiled, then eager
+
+
 @pytest.mark.parametrize("case", ["chunks", "accum_dtype"])
 def test_compiled_calls_of_several_chunks_or_a_wider_accumulator_scale_the_weight_gradient(case, monkeypatch):
     """(A bf16 weight's gradient accumulated in fp32.)"""

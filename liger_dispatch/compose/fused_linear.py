@@ -39,8 +39,6 @@ def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     forced = settings.CHUNK_ROWS.get()
     if forced:
         return max(1, min(forced, n_rows))
-    if n_rows <= ROW_ALIGN:  # one chunk under any budget (the limit is at least ROW_ALIGN)
-        return max(n_rows, 1)
     budget = settings.CHUNK_BUDGET_MB.get() * 2**20
     limit = max(ROW_ALIGN, int(budget // max(1, vocab * bytes_per_logit)) // ROW_ALIGN * ROW_ALIGN)
     if n_rows <= limit:

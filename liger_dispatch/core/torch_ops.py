@@ -15,6 +15,7 @@ overwrites its logits buffer) runs once (`_once`); in compiled code functionaliz
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable, Optional
 
@@ -208,7 +209,7 @@ def _expected(spec: OpSpec, args: tuple, kwargs: dict):
 
 def _logits_shape(inputs) -> tuple[int, int]:
     """[N, V] of a loss's input [..., H] and weight [V, H] (OpSpec.logits_grad)."""
-    return inputs[0].shape[:-1].numel(), inputs[1].shape[0]
+    return math.prod(inputs[0].shape[:-1]), inputs[1].shape[0]  # not Size.numel(): it specializes a symbolic N
 
 
 def _as_tuple(outputs) -> tuple:
