@@ -233,9 +233,10 @@ def compose_flce(kernel, vocab_parallel=None):
         labels = fl.flat(target).long()
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
-        # No gradient to scale and no class weight to rescale by the count: the mean's count after the rows, in the
-        # launch that reduces them (no_grad: four launches, as torch's own cross-entropy)
-        mean_after = mean and not (want_dx or want_dw or want_db) and ce_weight is None
+        # No gradient to scale and no class weight to rescale by the count: the mean's count after the fp32 rows, in
+        # the launch that reduces them (no_grad: four launches, as torch's own cross-entropy)
+        mean_after = (mean and not (want_dx or want_dw or want_db) and ce_weight is None
+                      and heads.loss_dtype(x) == torch.float32)
         count, inverse = fl.valid_count(labels, ignore_index) if (mean or asked) and not mean_after else (None, None)
         weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,

@@ -121,12 +121,15 @@ def test_losses_must_be_fp32_one_per_label():
 @pytest.mark.parametrize("options", [{}, dict(return_z_loss=True, return_token_accuracy=True, lse_square_scale=1e-3),
                                      dict(label_smoothing=0.1)])
 @pytest.mark.parametrize("all_ignored", [False, True])
-def test_a_mean_without_gradients_is_the_mean_with_them(options, all_ignored):
-    """flce under no_grad reduces its mean after the rows (no gradient to scale): the same loss and statistics as the
-    call that computes gradients, 0 (not NaN) when every row is ignored."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_mean_without_gradients_is_the_mean_with_them(options, all_ignored, dtype):
+    """flce under no_grad reduces its mean after the rows (no gradient to scale; fp32 rows: float64's keep the
+    count first): the same loss and statistics as the call that computes gradients, 0 (not NaN) when every row is
+    ignored."""
     from liger_dispatch import dispatch
     torch.manual_seed(0)
-    x, w = torch.randn(12, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    x = torch.randn(12, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(64, 16, dtype=dtype, requires_grad=True)
     y = torch.full((12,), -100) if all_ignored else _labels(12, torch.int64, -100)
     op = dispatch.op("flce", backend="reference")
     with_grads = op(x, w, y, **options)
@@ -134,6 +137,6 @@ def test_a_mean_without_gradients_is_the_mean_with_them(options, all_ignored):
         without = op(x, w, y, **options)
     for got, want in zip(without if isinstance(without, tuple) else (without,),
                          with_grads if isinstance(with_grads, tuple) else (with_grads,)):
-        assert torch.isfinite(got).all()
+        assert torch.isfinite(got).all() and got.dtype == want.dtype
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     assert (without[0] if isinstance(without, tuple) else without).item() != 0 or all_ignored
