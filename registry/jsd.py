@@ -115,7 +115,8 @@ def compose(kernel, vocab_parallel=None):
         xt = fl.flat(teacher_input, teacher_input.shape[-1])
         labels = None if shift_labels is None else fl.flat(shift_labels).long()
         factor = temperature * temperature if scale_by_temperature_squared else 1.0
-        scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, factor)
+        # without a gradient to scale, the mean is taken after the rows (fl.mean_after)
+        scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, factor) if want_dx or want_dw else None
         teacher = []  # the teacher's logits buffer, made by the first chunk: the largest
 
         def chunk_loss(logits, start, end, chunk_scale):
@@ -130,7 +131,8 @@ def compose(kernel, vocab_parallel=None):
             x, student_weight, None, scale, chunk_loss, extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
             want_dw=want_dw, want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
             logits_grad=logits_grad, row_bound=lambda: grad_bound(xt, teacher_weight, beta=jsd_beta, temperature=temperature))
-        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
+        loss = fl.mean_after(rows, labels, ignore_index, factor) if scale is None else rows.sum() * scale
+        return loss, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd
 

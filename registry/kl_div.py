@@ -125,11 +125,12 @@ def compose(kernel, vocab_parallel=None):
         if probs.stride(-1) != 1:
             probs = probs.contiguous()
         labels = None if shift_labels is None else fl.flat(shift_labels).long()
-        if reduction == "sum":
-            scale = torch.ones((), device=x.device)
+        total = vocab if vocab_parallel is None else vocab_parallel.total
+        factor = 1.0 / total if reduction == "mean" else 1.0
+        if reduction == "sum" or not (want_dx or want_dw):  # no gradient to scale: a mean is taken after the rows
+            scale = None
         else:
-            total = vocab if vocab_parallel is None else vocab_parallel.total
-            scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, 1.0 / total if reduction == "mean" else 1.0)
+            scale = fl.mean_scale(labels, x.shape[0], ignore_index, x.device, factor)
 
         def chunk_loss(logits, start, end, chunk_scale):
             return kernel(logits, fl.chunk_of(probs, start, end), fl.chunk_of(labels, start, end),
@@ -140,7 +141,11 @@ def compose(kernel, vocab_parallel=None):
             x, student_weight, None, scale, chunk_loss, want_dx=want_dx, want_dw=want_dw, want_db=False,
             accum_dtype=accum_dtype, vocab_parallel=vocab_parallel, logits_grad=logits_grad,
             row_bound=lambda: grad_bound(probs, temperature=temperature, log_target=log_target))
-        return rows.sum() * scale, None if dx is None else dx.view(student_input.shape), dw
+        if reduction == "sum":
+            loss = rows.sum()
+        else:
+            loss = fl.mean_after(rows, labels, ignore_index, factor) if scale is None else rows.sum() * scale
+        return loss, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div
 

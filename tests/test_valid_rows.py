@@ -140,3 +140,32 @@ def test_a_mean_without_gradients_is_the_mean_with_them(options, all_ignored, dt
         assert torch.isfinite(got).all() and got.dtype == want.dtype
         torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     assert (without[0] if isinstance(without, tuple) else without).item() != 0 or all_ignored
+
+
+def _distillation_call(op, labelled, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(12, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(64, 16, dtype=dtype, requires_grad=True)
+    labels = _labels(12, torch.int64, -100) if labelled else None
+    if op == "fused_linear_jsd":
+        args = (x, w, torch.randn(12, 16, dtype=dtype), torch.randn(64, 16, dtype=dtype), labels)
+        return args, [dict(jsd_beta=0.3, temperature=2.0, scale_by_temperature_squared=True), {}]
+    args = (x, w, torch.softmax(torch.randn(12, 64, dtype=dtype), -1), labels)
+    return args, [dict(reduction=r, temperature=1.5) for r in ("batchmean", "mean", "sum")]
+
+
+@pytest.mark.parametrize("op", ["fused_linear_jsd", "fused_linear_kl_div"])
+@pytest.mark.parametrize("labelled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_distillation_loss_without_gradients_is_the_loss_with_them(op, labelled, dtype):
+    """JSD and KL under no_grad take their mean after the rows too (fl.mean_after): the loss of the call that computes
+    gradients, for every reduction, with and without labels to ignore."""
+    from liger_dispatch import dispatch
+    args, options = _distillation_call(op, labelled, dtype)
+    handle = dispatch.op(op, backend="reference")
+    for kwargs in options:
+        want = handle(*args, **kwargs)
+        with torch.no_grad():
+            got = handle(*args, **kwargs)
+        assert torch.isfinite(got) and got.dtype == want.dtype, kwargs
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
