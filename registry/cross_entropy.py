@@ -233,10 +233,9 @@ def compose_flce(kernel, vocab_parallel=None):
         labels = fl.flat(target).long()
         mean = reduction == "mean" and row_weights is None
         asked = (return_z_loss or return_token_accuracy) and row_weights is None  # a backward needs no statistics
-        # No gradient to scale and no class weight to rescale by the count: the mean's count after the fp32 rows, in
-        # the launch that reduces them (no_grad: four launches, as torch's own cross-entropy)
-        mean_after = (mean and not (want_dx or want_dw or want_db) and ce_weight is None
-                      and heads.loss_dtype(x) == torch.float32)
+        # No gradient to scale and no class weight to rescale by the count: the mean's count after the rows, in the
+        # launch that reduces them (fl.mean_after; no_grad: four launches, as torch's own cross-entropy)
+        mean_after = mean and not (want_dx or want_dw or want_db) and ce_weight is None
         count, inverse = fl.valid_count(labels, ignore_index) if (mean or asked) and not mean_after else (None, None)
         weights = class_weights(ce_weight, heads.loss_dtype(x), labels, ignore_index, count, mean)
         options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
@@ -261,8 +260,7 @@ def compose_flce(kernel, vocab_parallel=None):
         if reduction == "none" and row_weights is None:
             loss = rows.view(target.shape)
         elif mean_after:
-            mean_stats = fl.mean_of_rows(rows, labels, ignore_index)
-            loss, count = mean_stats[2], mean_stats[0] if asked else None
+            loss, count = fl.mean_after(rows, labels, ignore_index)
         elif row_weights is not None:
             loss = (rows * scale).sum()
         else:

@@ -131,7 +131,7 @@ def compose(kernel, vocab_parallel=None):
             x, student_weight, None, scale, chunk_loss, extra_bytes_per_logit=xt.element_size(), want_dx=want_dx,
             want_dw=want_dw, want_db=False, accum_dtype=accum_dtype, vocab_parallel=vocab_parallel,
             logits_grad=logits_grad, row_bound=lambda: grad_bound(xt, teacher_weight, beta=jsd_beta, temperature=temperature))
-        loss = fl.mean_after(rows, labels, ignore_index, factor) if scale is None else rows.sum() * scale
+        loss = fl.mean_after(rows, labels, ignore_index, factor)[0] if scale is None else rows.sum() * scale
         return loss, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_jsd

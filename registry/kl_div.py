@@ -144,7 +144,7 @@ def compose(kernel, vocab_parallel=None):
         if reduction == "sum":
             loss = rows.sum()
         else:
-            loss = fl.mean_after(rows, labels, ignore_index, factor) if scale is None else rows.sum() * scale
+            loss = fl.mean_after(rows, labels, ignore_index, factor)[0] if scale is None else rows.sum() * scale
         return loss, None if dx is None else dx.view(student_input.shape), dw
 
     return fused_linear_kl_div

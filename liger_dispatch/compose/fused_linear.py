@@ -160,23 +160,19 @@ def valid_count(labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> 
     return calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale)).unbind()
 
 
-def mean_of_rows(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int, scale: float = 1.0) -> torch.Tensor:
-    """[count, scale / count, scale times the losses' mean] in fp32 on the device, the mean over the rows not ignored
-    (0 when all are): one launch (valid_rows given the fp32 losses), for a mean whose count no gradient needed before
-    its rows."""
-    return calls.machinery(TABLE.spec("valid_rows"), (labels,),
-                           dict(ignore_index=ignore_index, scale=scale, losses=losses))
-
-
 def mean_after(losses: torch.Tensor, labels: Optional[torch.Tensor], ignore_index: int, scale: float = 1.0
-               ) -> torch.Tensor:
-    """scale times the mean of per-row losses over the rows not ignored (all without labels), computed after them (a
-    call without gradients: no scale was needed before): one launch with labels and fp32 losses."""
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(scale times the mean of per-row losses over the rows not ignored, their count; all rows and None without
+    labels), computed after the rows (a call without gradients: no scale was needed before them): with labels and
+    fp32 losses one launch, valid_rows given the losses."""
     if labels is None:
-        return losses.sum() * (scale / max(losses.shape[0], 1))
+        return losses.sum() * (scale / max(losses.shape[0], 1)), None
     if losses.dtype != torch.float32:  # float64's: the count first, the sum in their own dtype
-        return losses.sum() * valid_count(labels, ignore_index, scale)[1]
-    return mean_of_rows(losses, labels, ignore_index, scale)[2]
+        count, inverse = valid_count(labels, ignore_index, scale)
+        return losses.sum() * inverse, count
+    stats = calls.machinery(TABLE.spec("valid_rows"), (labels,), dict(ignore_index=ignore_index, scale=scale,
+                                                                      losses=losses))
+    return stats[2], stats[0]
 
 
 def mean_scale(labels: Optional[torch.Tensor], n: int, ignore_index: int, device, scale: float = 1.0) -> torch.Tensor:
