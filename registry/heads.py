@@ -37,12 +37,13 @@ def head(input_name, input, weight_name, weight):
 
 
 def keeps_logits_grad(input, weight, accum_dtype, process_group, extra_bytes_per_logit=0) -> bool:
-    """OpSpec.logits_grad of an LM-head loss: its rows run as one chunk (fused_linear.run_chunks) without an fp16
-    gradient factor or a wider accumulator, on one rank."""
+    """OpSpec.logits_grad of an LM-head loss: fused_linear.keeps_whole_grad, without an fp16 gradient factor or a
+    wider accumulator, on one rank."""
     if input.dtype == torch.float16 or accum_dtype not in (None, weight.dtype) or process_group is not None:
         return False
     rows = math.prod(input.shape[:-1])  # not Size.numel(): it specializes a symbolic N (torch.compile, dynamic)
-    return fl.one_chunk(rows, weight.shape[0], input.element_size() + extra_bytes_per_logit)
+    return fl.keeps_whole_grad(rows, weight.shape[0], input.element_size(), extra_bytes_per_logit,
+                               weight.shape[1] * weight.element_size())
 
 
 def accum_dtype(value):

@@ -237,6 +237,52 @@ def test_a_compiled_loss_of_dynamic_rows_compiles_once(monkeypatch):
     assert asked == [True, False] * 3  # compiled, then eager
 
 
+@pytest.mark.parametrize("op", list(LOSSES))
+@pytest.mark.parametrize("hidden", [96, 72])
+def test_compiled_calls_of_several_chunks_keep_the_logits_gradient_no_larger_than_the_weight_gradient(
+        op, hidden, monkeypatch):
+    """80 rows that the budget cuts into two chunks: traced, their logits' gradient replaces the weight's where it is
+    no larger (H = 96 >= 80 rows; H = 72 keeps the chunks), and the gradients of 0.37 * loss are eager's."""
+    monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", "0.001")  # 64 rows a chunk (ROW_ALIGN)
+    asked = _logits_grad_asked(monkeypatch)
+    handle, rows = dispatch.op(op, backend="reference"), 80
+    w, x = (torch.randn(V, hidden) * 0.3).requires_grad_(), torch.randn(rows, hidden, requires_grad=True)
+    labels = torch.randint(0, V, (rows,))
+    labels[1] = -100
+    args = {"flce": (x, w, labels), "fused_linear_jsd": (x, w, torch.randn(rows, hidden), torch.randn(V, hidden), labels),
+            "fused_linear_kl_div": (x, w, torch.softmax(torch.randn(rows, V), -1), labels)}[op]
+
+    def fn(*a):
+        return handle(*a, **LOSSES[op]) * 0.37
+
+    want = torch.autograd.grad(fn(*args), (x, w))
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, fullgraph=True)(*args), (x, w))
+    assert asked == [False, hidden >= rows]
+    for g, ref in zip(got, want):
+        assert_rel_close(op, g, ref, 1e-5)
+
+
+def test_the_whole_logits_gradient_is_kept_up_to_the_weight_gradients_size():
+    """At a 128k x 4k bf16 head: flce and KL keep G up to N = H = 4096 rows, JSD too (its teacher's logits, freed
+    after the forward, up to twice dW); one chunk always; a forced chunk size only as one chunk."""
+    from liger_dispatch.compose import fused_linear as fl
+    head = dict(vocab=128256, bytes_per_logit=2, weight_grad_bytes_per_class=4096 * 2)
+    for extra in (0, 2):
+        assert fl.keeps_whole_grad(4096, extra_bytes_per_logit=extra, **head)
+        assert not fl.keeps_whole_grad(4097, extra_bytes_per_logit=extra, **head)
+    assert not fl.keeps_whole_grad(4096, extra_bytes_per_logit=4, **head)  # fp32 teacher logits: 3x dW
+    small_head = dict(vocab=256, bytes_per_logit=2, extra_bytes_per_logit=0, weight_grad_bytes_per_class=64 * 2)
+    assert fl.keeps_whole_grad(1000, **small_head)  # one chunk of 0.5 MB, however many rows
+
+
+def test_a_forced_chunk_size_keeps_the_weight_gradient(monkeypatch):
+    from liger_dispatch.compose import fused_linear as fl
+    monkeypatch.setenv("LIGER_CHUNK_ROWS", "1024")
+    head = dict(vocab=128256, bytes_per_logit=2, extra_bytes_per_logit=0, weight_grad_bytes_per_class=4096 * 2)
+    assert fl.keeps_whole_grad(1024, **head) and not fl.keeps_whole_grad(2048, **head)
+
+
 @pytest.mark.parametrize("case", ["chunks", "accum_dtype"])
 def test_compiled_calls_of_several_chunks_or_a_wider_accumulator_scale_the_weight_gradient(case, monkeypatch):
     """(A bf16 weight's gradient accumulated in fp32.)"""

@@ -34,6 +34,20 @@ def one_chunk(n_rows: int, vocab: int, bytes_per_logit: int) -> bool:
     return chunk_rows(n_rows, vocab, bytes_per_logit) >= n_rows
 
 
+def keeps_whole_grad(n_rows: int, vocab: int, bytes_per_logit: int, extra_bytes_per_logit: int,
+                     weight_grad_bytes_per_class: int) -> bool:
+    """Whether a traced call keeps the logits' gradient G [N, V] of all its rows for its backward (run_chunks'
+    logits_grad): they run as one chunk, or, no chunk size forced, G is no larger than the weight's gradient it
+    replaces and the forward's logits (a teacher's included: extra_bytes_per_logit) no larger than two of those.
+    Such a call holds at most two dW-sized tensors (G and dW while the backward's GEMM makes dW: at a 128k x 4k
+    bf16 head and N = 4096, 0.5 GB above the chunked peak), and in exchange its backward neither clones and scales
+    a saved dW (inductor copies a saved tensor a backward op mutates) nor re-streams dW once per extra chunk."""
+    if one_chunk(n_rows, vocab, bytes_per_logit + extra_bytes_per_logit):
+        return True
+    return not settings.CHUNK_ROWS.get() and n_rows * bytes_per_logit <= weight_grad_bytes_per_class and (
+        n_rows * (bytes_per_logit + extra_bytes_per_logit) <= 2 * weight_grad_bytes_per_class)
+
+
 def chunk_rows(n_rows: int, vocab: int, bytes_per_logit: int) -> int:
     """Rows per chunk: the largest aligned count whose logits buffers fit the budget, balanced over chunks."""
     forced = settings.CHUNK_ROWS.get()
@@ -101,9 +115,9 @@ def run_chunks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     end, scale) overwrites logits with scale times their gradient and returns the per-row loss; grad_scale (0-d or [N],
     on the device, or None: 1) weights the rows. row_bound: a bound of each row's gradient L1 norm (the family's grad_bound), asked
     for fp16 inputs only. extra_bytes_per_logit: what chunk_loss keeps per logit (a teacher's logits), for the budget.
-    vocab_parallel: the VocabShard of a vocab-parallel call, or None. logits_grad (asked with want_dw, for a call of one
-    chunk without an fp16 gradient factor: heads.keeps_logits_grad): the logits' gradient [N, V] takes dW's place
-    (dW = its transpose @ x), left for the backward."""
+    vocab_parallel: the VocabShard of a vocab-parallel call, or None. logits_grad (asked with want_dw, without an fp16
+    gradient factor, where keeps_whole_grad allows: heads.keeps_logits_grad): the rows run as one chunk and the
+    logits' gradient [N, V] takes dW's place (dW = its transpose @ x), left for the backward."""
     n, vocab = x.shape[0], weight.shape[0]
     kernel_scale, unscale = grad_scale, None
     if x.dtype == torch.float16 and n > 0 and (want_dx or want_dw or want_db):
