@@ -38,6 +38,7 @@ TOOLS = {  # `python -m benchmarks.run <name> ...`: the harness's other measurem
     "mhc-kernels": ("benchmarks.mhc_kernels", "each backend's mHC kernels against the byte floor"),
     "helion-configs": ("benchmarks.helion_tune", "regenerate the Helion backend's config tables"),
     "rl-losses": ("benchmarks.rl_losses", "whole GRPO and DPO losses at an LM head, ours against liger-kernel's"),
+    "chunk-budgets": ("benchmarks.chunk_budgets", "an LM-head loss's time and peak memory at several chunk budgets"),
     "kernel-times": ("benchmarks.kernel_times", "each kernel's GPU time in one provider's step, summed by name"),
 }
 

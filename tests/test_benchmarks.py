@@ -5,6 +5,7 @@ which must not leak into the registry the other tests see.
 """
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,23 @@ def test_host_cost_runs_on_the_cpu(tmp_path):
     assert "dispatch.py" in noop and "noop" in noop  # every frame of the call is listed (K = 5000: all of them,
     # whichever backend auto picks for the tiny call; under an interpreter its frames are hundreds)
     assert len(tiny) == 2 and all("cross_entropy.py" in t and "noop" not in t for t in tiny)
+
+
+def test_chunk_budgets_compares_each_budget_with_the_first(tmp_path):
+    """chunk-budgets on the CPU (reference backend): 130 rows as one chunk and as three (64-row chunks at 0.2 MiB of
+    fp32 logits), each budget's loss and gradients checked against the first's, for every LM-head loss."""
+    from benchmarks import chunk_budgets
+
+    out = tmp_path / "budgets.md"
+    args = ["--ops", "flce", "fused_linear_jsd", "fused_linear_kl_div", "--n", "130", "--dtype", "fp32",
+            "--budgets", "2", "0.2", "--rounds", "2", "--rep-ms", "1", "--backend", "reference", "--device", "cpu",
+            "--out", str(out)]
+    assert chunk_budgets.main(args) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| f")]
+    assert [(r[0].strip("| "), r[2], r[4]) for r in rows] == [
+        (op, budget, chunks) for op in ("flce", "fused_linear_jsd", "fused_linear_kl_div")
+        for budget, chunks in (("2", "1"), ("0.2", "3"))]
+    assert "LIGER_CHUNK_BUDGET_MB" not in os.environ
 
 
 def test_triton_loss_kernel_cases_match_the_formulas():
