@@ -40,8 +40,9 @@ def keeps_whole_grad(n_rows: int, vocab: int, bytes_per_logit: int, extra_bytes_
     logits_grad): they run as one chunk, or, no chunk size forced, G is no larger than the weight's gradient it
     replaces and the forward's logits (a teacher's included: extra_bytes_per_logit) no larger than two of those.
     Such a call holds at most two dW-sized tensors (G and dW while the backward's GEMM makes dW: at a 128k x 4k
-    bf16 head and N = 4096, 0.5 GB above the chunked peak), and in exchange its backward neither clones and scales
-    a saved dW (inductor copies a saved tensor a backward op mutates) nor re-streams dW once per extra chunk."""
+    bf16 head and N = 4096, 0.5 GB above the chunked peak), and in exchange its backward makes no copy pass over a
+    saved dW (inductor makes one over a saved tensor a backward op scales in place) and its forward accumulates no
+    dW chunk by chunk."""
     if one_chunk(n_rows, vocab, bytes_per_logit + extra_bytes_per_logit):
         return True
     return not settings.CHUNK_ROWS.get() and n_rows * bytes_per_logit <= weight_grad_bytes_per_class and (
