@@ -83,8 +83,6 @@ class Setting:
     def __init__(self, name: str, parse: Callable[[str], object], accepts: str, default, effect: str):
         self.name, self.parse, self.accepts, self.default, self.effect = name, parse, accepts, default, effect
         self._parsed: dict[str, object] = {}
-        if _ENV_ENCODE is not None:  # encoded now: code torch.compile traces reads the cache, which must not change
-            _encoded_keys[name] = _ENV_ENCODE(name)
 
     def get(self):
         raw = getenv(self.name)
@@ -100,6 +98,12 @@ class Setting:
                 self._parsed.clear()
             self._parsed[raw] = value
         return value
+
+    # Traced by torch.compile, a setting is read once, while tracing, and its value kept in the graph, as dynamo
+    # keeps os.environ's (the mark of torch.compiler.assume_constant_result, set without importing dynamo). Traced
+    # instead, the lookups above would guard on the whole environment and on the parse cache: any variable set
+    # later (inductor sets two in its first compile) would recompile the graph.
+    get._dynamo_marked_constant = True
 
     def __repr__(self) -> str:
         return f"Setting({self.name})"

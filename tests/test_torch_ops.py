@@ -237,6 +237,20 @@ def test_a_compiled_loss_of_dynamic_rows_compiles_once(monkeypatch):
     assert asked == [True, False] * 3  # compiled, then eager
 
 
+def test_a_variable_set_after_a_compiled_call_does_not_recompile_it(monkeypatch):
+    """A setting is read while tracing and kept (Setting.get): the environment changing under an unrelated name, as
+    inductor's first compile changes it, leaves the graph as it is."""
+    handle = dispatch.op("flce", backend="reference")
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda *a: handle(*a) * 0.5, fullgraph=True)
+    args = loss_inputs("flce")[:3]
+    step(*args).backward()
+    monkeypatch.setenv("LIGER_TEST_UNRELATED_VARIABLE", "1")
+    step(*args).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
 @pytest.mark.parametrize("op", list(LOSSES))
 @pytest.mark.parametrize("hidden", [96, 72])
 def test_compiled_calls_of_several_chunks_keep_the_logits_gradient_no_larger_than_the_weight_gradient(
