@@ -313,7 +313,7 @@ def table(columns, rows: list[dict]) -> list[str]:
             *("| " + " | ".join(row[c] for c in columns) + " |" for row in rows)]
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run host-cost", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, help="calls a measurement takes (host, back to back; default 200, "
@@ -323,7 +323,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="also write the tables (markdown) there")
     parser.add_argument("--profile", type=int, metavar="K", help="also each loss op's noop handle call and the "
                         "tiny flce auto call under cProfile: their K functions of most own time")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     device = torch.device(args.device)
     calls = args.calls or (3 if args.quick else 200)
     loss_dims, points = (QUICK_LOSS_DIMS, QUICK_MHC_POINTS) if args.quick else (LOSS_DIMS, MHC_POINTS)

@@ -223,3 +223,46 @@ def test_rounds_time_the_providers_in_turn_with_the_order_rotated():
     assert all("providers interleaved over 3 rounds" in o.notes for o in rows.values())
     runs = [name for i, name in enumerate(timed) if i == 0 or timed[i - 1] != name]
     assert runs == list("abc" + "abc" + "bca" + "cab"), timed  # the checks, then the rounds
+
+
+def test_the_table_parts_commands_parse_with_the_harness_options(tmp_path):
+    """benchmarks/table.sh, dry run: each part's every command parses with its tool's own options (a renamed flag,
+    op or provider fails here, not on the GPU host), the tests it names exist, and an unknown part is refused."""
+    import argparse
+    import shlex
+
+    from benchmarks import hf_step, host_cost, run
+    from liger_dispatch.tuning import tune
+
+    def table(part):
+        return subprocess.run(["bash", "benchmarks/table.sh", part], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)})
+
+    parsed = []
+    for part in ("tune", "flce-jsd", "kl-mhc", "host-step"):
+        done = table(part)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines, part
+        for line in lines:
+            argv = shlex.split(line)
+            assert argv[:2] == ["python3", "-m"], line
+            module, args = argv[2], argv[3:]
+            if module == "liger_dispatch" and args[0] == "tune":
+                parser = argparse.ArgumentParser()
+                tune.add_arguments(parser)
+                parsed.append(parser.parse_args(args[1:]))
+            elif module == "benchmarks.run" and args[0] == "host-cost":
+                parsed.append(host_cost.parse_args(args[1:]))
+            elif module == "benchmarks.run" and args[0] == "hf-step":
+                parsed.append(hf_step.parse_args(args[1:]))
+            elif module == "benchmarks.run":
+                parsed.append(run.parse_args(args))
+            else:
+                assert module == "pytest", line
+                files = [a for a in args if a.startswith("tests/")]
+                assert files and all((ROOT / f).is_file() for f in files), line
+    assert len(parsed) == 6
+    assert all(str(tmp_path) in str(p.out) for p in parsed)
+    refused = table("everything")
+    assert refused.returncode == 2 and "usage" in refused.stderr
