@@ -13,32 +13,20 @@ against the first budget's.
 from __future__ import annotations
 
 import argparse
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from benchmarks import clocks, env, shapes, workloads
-from liger_dispatch import dispatch, timing
+from liger_dispatch import dispatch, settings, timing
 from liger_dispatch.compose import fused_linear as fl
 
 PROG = "python -m benchmarks.run chunk-budgets"
 OPS = ("flce", "fused_linear_jsd", "fused_linear_kl_div")
-BUDGET = "LIGER_CHUNK_BUDGET_MB"
 
 
-@contextmanager
 def budget_mb(value: float):
-    before = os.environ.get(BUDGET)
-    os.environ[BUDGET] = f"{value:g}"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(BUDGET, None)
-        else:
-            os.environ[BUDGET] = before
+    return settings.CHUNK_BUDGET_MB.set_to(f"{value:g}")
 
 
 def chunking(case: shapes.Case, budget: float) -> tuple[int, int]:

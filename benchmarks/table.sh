@@ -29,10 +29,10 @@ step() {  # step SECONDS LOG COMMAND...: COMMAND under a time limit, its output 
   return $rc
 }
 
-card=cpu
-[ -n "${DRY_RUN:-}" ] || card=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 case $part in
   tune)
+    card=cpu
+    [ -n "${DRY_RUN:-}" ] || card=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
     step 170 tune.txt python3 -m liger_dispatch tune --ops flce fused_linear_jsd fused_linear_kl_div --n $N \
       --betas 0.5 --reps 15 --budget-s 150 --out "$OUT/$card.json" ;;
   flce-jsd)

@@ -7,9 +7,10 @@ preferences (LIGER_BACKEND, LIGER_BACKEND_<OP>) are parsed by selection.py.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from liger_dispatch.errors import ConfigError
 
@@ -104,6 +105,19 @@ class Setting:
     # instead, the lookups above would guard on the whole environment and on the parse cache: any variable set
     # later (inductor sets two in its first compile) would recompile the graph.
     get._dynamo_marked_constant = True
+
+    @contextlib.contextmanager
+    def set_to(self, raw: str) -> Iterator[None]:
+        """The variable set to `raw` for the block (benchmarks, the conformance suite), then as it was."""
+        before = os.environ.get(self.name)
+        os.environ[self.name] = raw
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(self.name, None)
+            else:
+                os.environ[self.name] = before
 
     def __repr__(self) -> str:
         return f"Setting({self.name})"

@@ -21,7 +21,6 @@ import functools
 import importlib
 import importlib.util
 import math
-import os
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from liger_dispatch import dispatch, registry
+from liger_dispatch import dispatch, registry, settings
 from liger_dispatch.backends.reference import formulas
 from liger_dispatch.capability import default_device, dtype_name
 from liger_dispatch.core.table import TABLE
@@ -425,19 +424,6 @@ class VerifyResult:
         console.print(self.summary(), style="green" if self.passed else "bold red", highlight=False)
 
 
-@contextlib.contextmanager
-def _strict():
-    """LIGER_STRICT=1 for the block: a pinned backend that falls back is an error, not a silent pass."""
-    saved = os.environ.get("LIGER_STRICT")
-    os.environ["LIGER_STRICT"] = "1"
-    try:
-        yield
-    finally:
-        del os.environ["LIGER_STRICT"]
-        if saved is not None:
-            os.environ["LIGER_STRICT"] = saved
-
-
 def served_ops(backend: str) -> list[str]:
     """The ops `backend` registers or declares, and the user-level ops it serves through their compositions."""
     return [op for op in TABLE.op_names() if backend in dispatch.registered_backends(op)]
@@ -472,7 +458,7 @@ def verify(backend: str, *, device=None, ops: Optional[Sequence[str]] = None, dt
         if progress is not None:
             progress(row)
 
-    with _strict():
+    with settings.STRICT.set_to("1"):  # a pinned backend that falls back is an error, not a silent pass
         for op in mine:
             _verify_op(op, backend, device, dtypes, checks, add)
     return result

@@ -1,5 +1,7 @@
 """LIGER_* environment variables: every one parsed and validated in one place, with errors naming it."""
 
+import os
+
 import pytest
 import torch
 
@@ -64,3 +66,16 @@ def test_liger_checks_takes_device_or_full(monkeypatch):
     monkeypatch.setenv("LIGER_CHECKS", "paranoid")
     with pytest.raises(ConfigError, match="LIGER_CHECKS.*device .default. or full"):
         settings.CHECKS.get()
+
+
+@pytest.mark.parametrize("before", [None, "245"])
+def test_set_to_holds_a_value_for_the_block_then_restores_the_variable(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("LIGER_CHUNK_BUDGET_MB", raising=False)
+    else:
+        monkeypatch.setenv("LIGER_CHUNK_BUDGET_MB", before)
+    with pytest.raises(RuntimeError):
+        with settings.CHUNK_BUDGET_MB.set_to("135"):
+            assert settings.CHUNK_BUDGET_MB.get() == 135.0
+            raise RuntimeError
+    assert os.environ.get("LIGER_CHUNK_BUDGET_MB") == before
